@@ -1,0 +1,110 @@
+"""Validated parameter objects: `SamplingParams` (per request) and `EngineConfig` (per decoder).
+
+Both check themselves in `__post_init__`, so a bad value fails where it is written, with a message
+naming it, never later inside torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import BatchspecError
+
+#: Correct methods, in the order the CLI lists them. `bsp` and `dsd` are deliberately broken
+#: reproductions (see `baselines.py`) and are accepted too.
+METHODS = ("reference", "ar", "spec1", "eqspec", "exspec", "ragged")
+BROKEN_METHODS = ("bsp", "dsd")
+SPECULATIVE_METHODS = ("spec1", "eqspec", "exspec", "ragged", "bsp", "dsd")
+PROPOSERS = ("draft", "ngram")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. `temperature == 0` is greedy (argmax); then top_p/top_k/seed are unused.
+
+    `seed` fixes a request's random stream: the same seed gives the same tokens whatever the batch
+    size, the batch's other rows or the (speculative) method.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+            raise BatchspecError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise BatchspecError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise BatchspecError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise BatchspecError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise BatchspecError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise BatchspecError(f"seed must be an integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to decode: the method and its knobs.
+
+    k: draft tokens per step (speculative methods). batch_size: rows per forward pass.
+    window_size: EXSPEC's active pool (default 4 x batch_size). min_group: smallest same-length
+    group EXSPEC runs without padding (default batch_size). kv_budget_tokens: slots per row of the
+    ragged layout's preallocated cache (default: the longest request it is given).
+    """
+
+    method: str = "eqspec"
+    k: int = 4
+    batch_size: int = 8
+    proposer: str = "draft"
+    window_size: int | None = None
+    min_group: int | None = None
+    kv_budget_tokens: int | None = None
+    check_invariants: bool = False
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS + BROKEN_METHODS:
+            raise BatchspecError(
+                f"unknown method {self.method!r}; choose one of {', '.join(METHODS + BROKEN_METHODS)}"
+            )
+        if not _is_int(self.k) or self.k < 1:
+            raise BatchspecError(f"k (draft tokens per step) must be an integer >= 1, got {self.k!r}")
+        if not _is_int(self.batch_size) or self.batch_size < 1:
+            raise BatchspecError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+        if self.proposer not in PROPOSERS:
+            raise BatchspecError(f"unknown proposer {self.proposer!r}; choose one of {', '.join(PROPOSERS)}")
+        for name in ("window_size", "min_group", "kv_budget_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise BatchspecError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.window_size is not None and self.window_size < self.batch_size:
+            raise BatchspecError(
+                f"window_size ({self.window_size}) must be >= batch_size ({self.batch_size})"
+            )
+
+    @property
+    def window(self) -> int:
+        return self.window_size if self.window_size is not None else 4 * self.batch_size
+
+    @property
+    def group_min(self) -> int:
+        return min(self.min_group if self.min_group is not None else self.batch_size, self.batch_size)
+
+    @property
+    def speculative(self) -> bool:
+        return self.method in SPECULATIVE_METHODS

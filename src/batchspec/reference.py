@@ -1,0 +1,47 @@
+"""The oracle: the target alone, one sequence at a time, with its own KV cache.
+
+Deliberately plain: no padding, no masks, no position ids (the model counts them from the cache),
+one token per forward. Greedy takes the argmax; sampling draws one uniform per token from the
+sequence's own generator (as `ar` does, so the two agree token for token under a seed). Every other
+method is tested against this.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from .sampling import probabilities, sample
+from .sequence import Sequence
+from .step import Context
+
+
+@torch.inference_mode()
+def generate_one(target, seq: Sequence, params) -> None:
+    """Decode `seq` to completion in place."""
+    cache = DynamicCache(config=target.config)
+    ids = torch.tensor([seq.token_ids], device=target.device)
+    while True:
+        logits = target(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        if params.greedy:
+            token = int(logits.argmax(dim=-1))
+        else:
+            u = torch.rand(1, generator=seq.generator, dtype=torch.float64)
+            token = int(sample(probabilities(logits, params), u))
+        seq.commit([token])
+        if seq.finished:
+            return
+        ids = torch.tensor([[token]], device=target.device)
+
+
+def run(ctx: Context, seqs: list[Sequence], config) -> None:
+    """Method `reference`: every sequence alone (the batch size is ignored)."""
+    for seq in seqs:
+        with ctx.stats.stage("verify"):
+            generate_one(ctx.target, seq, ctx.params)
+        ctx.stats.tokens += len(seq.generated)
+        ctx.stats.step_tokens += len(seq.generated) - 1
+        ctx.stats.row_steps += len(seq.generated) - 1
+        ctx.stats.steps += len(seq.generated) - 1
+        ctx.stats.accepted_hist[0] += len(seq.generated) - 1
+        ctx.on_finish([seq])

@@ -1,0 +1,127 @@
+"""One step of any method over any batch layout: prefill, or propose -> verify -> accept ->
+commit -> realign.
+
+A layout (`PaddedBatch`, `RaggedBatch`) provides `seqs`, `pending(role)`, `inputs(role, q)` and
+`realign()`; the step does not know how rows are stored. `k = 0` (no proposer) is plain
+autoregressive decoding: the target's bonus token only.
+
+Randomness: each row draws 2k+1 uniforms per step from its own generator (k for the draft's
+samples, k for the acceptance tests, 1 for the recovered/bonus token) and 1 at prefill, so a row's
+tokens depend on its seed alone, not on the batch it runs in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .acceptance import greedy_accept, rejection_sample
+from .config import SamplingParams
+from .proposer import Proposal
+from .sampling import draw_uniforms, probabilities, sample
+from .sequence import Sequence
+from .stats import Stats
+from .verifier import forward, verify
+
+
+@dataclass
+class Context:
+    """What a method needs to run steps: models, parameters, and where to report."""
+
+    target: torch.nn.Module
+    proposer: object | None  # DraftProposer | NgramProposer | None
+    params: SamplingParams
+    k: int  # draft tokens per step; 0 for plain decoding
+    pad_id: int
+    device: torch.device
+    stats: Stats = field(default_factory=Stats)
+    check: Callable | None = None  # invariant checker, called on the batch after each step
+    on_finish: Callable[[list[Sequence]], None] = lambda seqs: None
+
+    @property
+    def roles(self) -> list[str]:
+        """Models that keep a cache: the target, and the draft if the proposer has one."""
+        role = getattr(self.proposer, "role", None)
+        return ["target"] + ([role] if role else [])
+
+    def models(self) -> dict:
+        out = {"target": self.target}
+        if "draft" in self.roles:
+            out["draft"] = self.proposer.model
+        return out
+
+
+def prefill(ctx: Context, batch) -> list[Sequence]:
+    """Feed every role the rows' uncached tokens; the target's last logits give each row its
+    first token. Returns the rows that finished (EOS first, or max_new_tokens == 1)."""
+    with ctx.stats.stage("prefill"):
+        first = None
+        for role, model in ctx.models().items():
+            ids = batch.pending(role)
+            logits = forward(model, ids, batch.inputs(role, ids.shape[1]), last_only=True)[:, -1]
+            if role == "target":
+                first = _pick(logits, ctx.params, batch.seqs)
+        for seq, token in zip(batch.seqs, first.tolist()):
+            seq.commit([token])
+        ctx.stats.tokens += len(batch.seqs)
+        finished = batch.realign()
+    _after(ctx, batch, finished)
+    return finished
+
+
+def decode_step(ctx: Context, batch) -> list[Sequence]:
+    """One speculative (or, with k = 0, plain) step for every row. Returns the finished rows."""
+    k, params, stats = ctx.k, ctx.params, ctx.stats
+    u = None if params.greedy else draw_uniforms([s.generator for s in batch.seqs], 2 * k + 1)
+    with stats.stage("draft"):
+        proposal = _propose(ctx, batch, u)
+    drafts, limit = proposal.drafts, proposal.num_proposed
+    with stats.stage("verify"):
+        logits = verify(ctx.target, batch, drafts)
+    with stats.stage("accept"):
+        k_eff = drafts.shape[1]
+        if params.greedy:
+            outcome = greedy_accept(drafts, logits, limit)
+        else:
+            target_probs = probabilities(logits, params)
+            outcome = rejection_sample(
+                drafts, proposal.draft_probs, target_probs, u[:, k : k + k_eff], u[:, 2 * k], limit
+            )
+        rows, accepted = outcome.rows(), outcome.num_accepted.tolist()
+        kept = [seq.commit(row, a) for seq, row, a in zip(batch.seqs, rows, accepted)]
+        stats.record_step(kept, [seq.accepted_per_step[-1] for seq in batch.seqs])
+    with stats.stage("realign"):
+        finished = batch.realign()
+    _after(ctx, batch, finished)
+    return finished
+
+
+def _after(ctx: Context, batch, finished: list[Sequence]) -> None:
+    if ctx.check is not None and len(batch):
+        ctx.check(batch)
+    if finished:
+        ctx.on_finish(finished)
+
+
+def _propose(ctx: Context, batch, u: torch.Tensor | None) -> Proposal:
+    n = len(batch.seqs)
+    if ctx.k == 0 or ctx.proposer is None:
+        empty = torch.zeros(n, 0, dtype=torch.long, device=ctx.device)
+        probs = None if ctx.params.greedy else torch.zeros(n, 0, ctx.target.config.vocab_size, device=ctx.device)
+        return Proposal(empty, probs)
+    proposal = ctx.proposer.propose(batch, ctx.k, ctx.params, None if u is None else u[:, : ctx.k])
+    if proposal.num_proposed is not None:  # drop columns no row uses; each row is unaffected
+        k_eff = int(proposal.num_proposed.max())
+        probs = proposal.draft_probs
+        proposal = Proposal(proposal.drafts[:, :k_eff], None if probs is None else probs[:, :k_eff], proposal.num_proposed)
+    return proposal
+
+
+def _pick(logits: torch.Tensor, params: SamplingParams, seqs: list[Sequence]) -> torch.Tensor:
+    """logits [B, V] -> one token per row: argmax, or a sample with one uniform per row."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    u = draw_uniforms([s.generator for s in seqs], 1)[:, 0]
+    return sample(probabilities(logits, params), u)

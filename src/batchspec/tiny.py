@@ -1,0 +1,67 @@
+"""The `tiny` pair: a seeded Llama-style target and a perturbed copy as its draft, built from
+configs in a second (no download), with a byte-level tokenizer.
+
+Non-degenerate on purpose: with transformers' default init scale a random model's greedy output
+repeats one or two tokens, and a test on such output cannot see a wrong position or mask. An init
+scale of 0.2 gives varied output; a draft equal to the target plus Gaussian noise of `noise` x
+each weight's std gives mixed acceptance (some rows accept all, some none).
+"""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+SPECIALS = ("<pad>", "<s>", "</s>")  # ids 256, 257, 258
+
+
+def byte_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """Bytes 0..255 are ids 0..255, then <pad>, <s>, </s>, then unused `<extra_i>` up to vocab_size."""
+    if vocab_size < 256 + len(SPECIALS):
+        raise ValueError(f"a byte tokenizer needs vocab_size >= {256 + len(SPECIALS)}, got {vocab_size}")
+    byte_chars = bytes_to_unicode()
+    vocab = {byte_chars[b]: b for b in range(256)}
+    extras = [f"<extra_{i}>" for i in range(vocab_size - 256 - len(SPECIALS))]
+    for i, tok in enumerate(SPECIALS + tuple(extras)):
+        vocab[tok] = 256 + i
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tok.add_special_tokens({"additional_special_tokens": extras})
+    return tok
+
+
+def tiny_config(vocab_size: int = 320, hidden: int = 64, layers: int = 2, context: int = 8192) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        initializer_range=0.2,
+        pad_token_id=256 if vocab_size > 256 else 0,
+        bos_token_id=257 if vocab_size > 257 else 0,
+        eos_token_id=258 if vocab_size > 258 else vocab_size - 1,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_models(
+    config: LlamaConfig, noise: float = 0.02, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """(target, draft): the draft is the target with each weight perturbed by noise x its std."""
+    torch.manual_seed(seed)
+    target = LlamaForCausalLM(config).eval()
+    draft = LlamaForCausalLM(config).eval()
+    draft.load_state_dict(target.state_dict())
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.numel() > 1:
+                p.add_(torch.randn(p.shape, generator=gen) * p.std() * noise)
+    return target.to(dtype), draft.to(dtype)

@@ -1,0 +1,21 @@
+"""The target's side of a step: one forward over `[last committed, d1..dk]` per row.
+
+`forward` is the single place a model is called by the batched methods; the batch layout
+(`PaddedBatch`, `RaggedBatch`) supplies the mask, the per-row positions and the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def forward(model, ids: torch.Tensor, inputs: dict, last_only: bool = False) -> torch.Tensor:
+    """ids [B, q] -> logits [B, q, V] (or [B, 1, V] with last_only); the cache in `inputs` grows."""
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1 if last_only else 0, **inputs)
+    return out.logits
+
+
+def verify(target, batch, drafts: torch.Tensor) -> torch.Tensor:
+    """drafts [B, k] -> target logits [B, k+1, V] at `[last, d1..dk]`, in one forward pass."""
+    ids = torch.cat([batch.pending("target"), drafts], dim=1)
+    return forward(target, ids, batch.inputs("target", ids.shape[1]))
