@@ -70,7 +70,7 @@ class EngineConfig:
     method: str = "eqspec"
     k: int = 4
     batch_size: int = 8
-    proposer: str = "draft"
+    proposer: str | None = None  # "draft" | "ngram"; None: the pair's default
     window_size: int | None = None
     min_group: int | None = None
     kv_budget_tokens: int | None = None
@@ -86,7 +86,7 @@ class EngineConfig:
             raise BatchspecError(f"k (draft tokens per step) must be an integer >= 1, got {self.k!r}")
         if not _is_int(self.batch_size) or self.batch_size < 1:
             raise BatchspecError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
-        if self.proposer not in PROPOSERS:
+        if self.proposer is not None and self.proposer not in PROPOSERS:
             raise BatchspecError(f"unknown proposer {self.proposer!r}; choose one of {', '.join(PROPOSERS)}")
         for name in ("window_size", "min_group", "kv_budget_tokens"):
             value = getattr(self, name)

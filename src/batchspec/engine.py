@@ -84,13 +84,13 @@ class SpecDecoder:
     @classmethod
     def from_pretrained(cls, pair=None, target=None, draft=None, dtype="float32", device=None, **config_kw):
         """Load a pair (see `models.load_pair`) and build a decoder; keywords go to EngineConfig."""
-        loaded = load_pair(pair=pair, target=target, draft=draft, dtype=dtype, device=device)
-        if "proposer" not in config_kw:
-            config_kw["proposer"] = loaded.default_proposer
-        return cls(loaded, **config_kw)
+        config = EngineConfig(**config_kw)  # validate before the (slow) load
+        return cls(load_pair(pair=pair, target=target, draft=draft, dtype=dtype, device=device), config)
 
     def _make_proposer(self):
-        pair, name = self.pair, self.config.proposer
+        pair = self.pair
+        name = self.config.proposer or pair.default_proposer
+        self.proposer_name = name if self.config.speculative else None
         if not self.config.speculative:
             return None
         if name == "ngram":

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -199,14 +201,37 @@ def load_model(spec: str, dtype: torch.dtype):
         return _from_pretrained(spec, dtype, {})
     if os.path.exists(spec) or spec.startswith((".", "/")):
         raise BatchspecError(f"{spec} is neither a model directory nor a .gguf file")
+    return _load_hub(spec, dtype)
+
+
+def _load_hub(spec: str, dtype: torch.dtype):
+    """A hub id: from the local HF cache if it is there, else from the hub if it is reachable."""
+    try:
+        return _from_pretrained(spec, dtype, {"local_files_only": True})
+    except OSError:
+        pass
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get("TRANSFORMERS_OFFLINE", "") not in ("", "0")
+    if offline or not hub_reachable():
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub is unreachable from this machine"
+        raise BatchspecError(
+            f"could not load {spec!r} from the Hugging Face hub: it is not a local directory or .gguf "
+            f"file, not in the local cache, and {why}. Download it where the hub is reachable and pass "
+            "the local directory instead."
+        )
     try:
         return _from_pretrained(spec, dtype, {})
     except OSError as err:
-        raise BatchspecError(
-            f"could not load {spec!r} from the Hugging Face hub (no such local directory, and the hub "
-            f"is unreachable or has no such model: {str(err).splitlines()[0]}). Download it where the "
-            "hub is reachable and pass the local directory instead."
-        ) from None
+        raise BatchspecError(f"could not load {spec!r} from the Hugging Face hub: {str(err).splitlines()[0]}") from None
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub endpoint opens within `timeout` seconds."""
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def _load_gguf(path: str, dtype: torch.dtype):

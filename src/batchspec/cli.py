@@ -1,0 +1,150 @@
+"""The `batchspec` command line: `generate`, `verify`, `bench`.
+
+All three share the model options (--pair | --target/--draft, --dtype, --device) and the prompt
+options (--prompts FILE, --limit N, positional prompts, --no-chat-template). Errors in input are
+printed as one line naming the problem (exit status 2), never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import BROKEN_METHODS, METHODS, PROPOSERS, EngineConfig, SamplingParams
+from .errors import BatchspecError
+from .models import DTYPES, PAIRS, load_pair
+from .prompts import Prompt, read_prompts
+
+DEFAULT_PROMPTS = ["Why is the sky blue?", "Write a haiku about the sea.", "What is speculative decoding?"]
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--pair", choices=PAIRS, help="built-in pair (default: default, unless --target is given)")
+    g.add_argument("--target", help="target model: a local HF directory, a .gguf file, or a hub id")
+    g.add_argument("--draft", help="draft model (same forms); without it the n-gram proposer is used")
+    g.add_argument("--dtype", choices=list(DTYPES), default="float32", help="float32 (default: exact) or bfloat16 (fast)")
+    g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+
+
+def _prompt_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prompts")
+    g.add_argument("prompt", nargs="*", help="prompts (default: a few built-in ones)")
+    g.add_argument("--prompts", metavar="FILE", help="Spec-Bench JSONL (first turn) or a text file, one prompt per line")
+    g.add_argument("--limit", type=int, help="use only the first N prompts of --prompts")
+    g.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text")
+
+
+def _decode_options(p: argparse.ArgumentParser, methods: bool) -> None:
+    g = p.add_argument_group("decoding")
+    if methods:
+        g.add_argument("--method", choices=list(METHODS + BROKEN_METHODS), default="eqspec")
+        g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("-k", type=int, default=4, help="draft tokens per step (default 4)")
+    g.add_argument("--proposer", choices=list(PROPOSERS), help="draft model or n-gram lookup (default: the pair's)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, help="per-request seed (sampling)")
+    g.add_argument("--window-size", type=int, help="exspec: active pool size (default 4 x batch size)")
+    g.add_argument("--min-group", type=int, help="exspec: smallest same-length group run unpadded (default: batch size)")
+    g.add_argument("--kv-budget", type=int, dest="kv_budget_tokens", help="ragged: KV slots per row")
+    g.add_argument("--check-invariants", action="store_true", help="check every synchronization invariant after each step (slow)")
+    g.add_argument("--json", metavar="OUT", help="write a machine-readable result to OUT")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchspec", description="Batched speculative decoding, done right.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="decode prompts with one method and print the text and stats")
+    for add in (_model_options, _prompt_options):
+        add(gen)
+    _decode_options(gen, methods=True)
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    return parser
+
+
+def load_prompts(args) -> list[Prompt]:
+    if args.prompts and args.prompt:
+        raise BatchspecError("give prompts either on the command line or with --prompts, not both")
+    if args.prompts:
+        return read_prompts(args.prompts, args.limit)
+    texts = args.prompt or DEFAULT_PROMPTS
+    return [Prompt(t) for t in texts][: args.limit] if args.limit else [Prompt(t) for t in texts]
+
+
+def sampling_params(args) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
+
+
+def engine_config(args, method: str, batch_size: int, progress: bool) -> EngineConfig:
+    return EngineConfig(
+        method=method,
+        k=args.k,
+        batch_size=batch_size,
+        proposer=args.proposer,
+        window_size=args.window_size,
+        min_group=args.min_group,
+        kv_budget_tokens=args.kv_budget_tokens,
+        check_invariants=args.check_invariants,
+        progress=progress,
+    )
+
+
+def load_models(args):
+    pair = args.pair if args.target is None else None
+    return load_pair(pair=pair, target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+
+
+def cmd_generate(args) -> int:
+    from .engine import SpecDecoder
+
+    params = sampling_params(args)
+    config = engine_config(args, args.method, args.batch_size, progress=not args.quiet)
+    prompts = load_prompts(args)
+    pair = load_models(args)
+    dec = SpecDecoder(pair, config)
+    outs = dec.generate([p.text for p in prompts], params, chat_template=not args.no_chat_template)
+    for out in outs:
+        print(f"--- [{out.index}] {out.prompt[:70]!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
+        print(out.text)
+    print(f"[{args.method}, batch {args.batch_size}, k {args.k}, {dec.proposer_name}] {dec.stats.line()}")
+    if args.json:
+        write_json(args.json, {
+            "results": [o.to_json() | {"category": p.category} for o, p in zip(outs, prompts)],
+            "stats": dec.stats.summary(),
+            "config": {"method": args.method, "batch_size": args.batch_size, "k": args.k, "proposer": dec.proposer_name,
+                       "sampling": params.__dict__},
+            "models": pair.describe(),
+        })
+    return 0
+
+
+def write_json(path: str, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        return args.run(args)
+    except BatchspecError as err:
+        print(f"batchspec: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Helpers shared by the tests (decoding shortcuts, random prompts, a memoised reference)."""
+
+from __future__ import annotations
+
+import random
+
+from batchspec import SamplingParams, SpecDecoder
+
+
+def random_prompts(seed: int, n: int, lo: int = 1, hi: int = 64, vocab: int = 256) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+_REFERENCE: dict = {}
+
+
+def reference_tokens(pair, prompts, max_new_tokens: int) -> list[list[int]]:
+    """Greedy reference outputs, memoised per (pair, eos, prompt, max_new_tokens)."""
+    dec = SpecDecoder(pair, method="reference")
+    out = []
+    for prompt in prompts:
+        key = (id(pair), pair.eos_ids, tuple(prompt), max_new_tokens)
+        if key not in _REFERENCE:
+            _REFERENCE[key] = dec.generate([prompt], SamplingParams(max_new_tokens=max_new_tokens))[0].token_ids
+        out.append(_REFERENCE[key])
+    return out
+
+
+def decode(pair, prompts, max_new_tokens: int, **config) -> list[list[int]]:
+    config.setdefault("check_invariants", False)
+    dec = SpecDecoder(pair, **config)
+    outs = dec.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+    assert [o.index for o in outs] == list(range(len(prompts)))
+    return [o.token_ids for o in outs]

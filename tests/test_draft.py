@@ -1,0 +1,104 @@
+"""The shipped SmolLM2 draft (`batchspec.draft`): it loads offline, its reduced vocabulary is sane,
+it is called like a causal LM (logit shapes with and without a cache, left-padded batches), and
+cached incremental logits equal a full forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from batchspec import SamplingParams, SpecDecoder, load_pair
+from batchspec.draft import DRAFT_FILE, load_default_draft
+
+EOS_ID = 2  # <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """The default pair in float32 with the shipped draft attached (loaded once per module)."""
+    try:
+        pair = load_pair("default", dtype="float32")
+    except Exception as err:  # the target comes from an installed package; skip cleanly without it
+        pytest.skip(f"default target unavailable: {err}")
+    pair.draft = load_default_draft(pair.target, torch.float32)
+    pair.draft_vocab_ids = pair.draft.vocab_ids
+    return pair
+
+
+@pytest.fixture(scope="module")
+def draft(pair):
+    return pair.draft
+
+
+def ids_of(pair, text: str) -> torch.Tensor:
+    return torch.tensor([pair.encode(text)])  # [1, L]
+
+
+def test_weights_file_is_small():
+    import os
+
+    assert os.path.getsize(DRAFT_FILE) <= 25 * 1024 * 1024
+
+
+def test_vocab_ids(draft, pair):
+    ids = draft.vocab_ids
+    assert ids.dtype == torch.long and ids.dim() == 1
+    assert len(torch.unique(ids)) == len(ids)
+    assert int(ids.min()) >= 0 and int(ids.max()) < pair.vocab_size == 49152
+    assert EOS_ID in ids.tolist()
+    assert draft.lm_head.weight.shape == (len(ids), pair.target.config.hidden_size)
+
+
+def test_embedding_is_the_targets(draft, pair):
+    assert draft.model.embed_tokens.weight is pair.target.model.embed_tokens.weight
+    assert len(DynamicCache(config=draft.config).layers) == draft.config.num_hidden_layers < 30
+
+
+@pytest.mark.parametrize("q", [1, 5])
+def test_logit_shapes(draft, pair, q):
+    ids = ids_of(pair, "Name three colours.")[:, :q]  # [1, q]
+    v_r = len(draft.vocab_ids)
+    with torch.inference_mode():
+        assert draft(input_ids=ids, use_cache=False).logits.shape == (1, q, v_r)
+        assert draft(input_ids=ids, logits_to_keep=1).logits.shape == (1, 1, v_r)
+        cache = DynamicCache(config=draft.config)
+        out = draft(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0)
+        assert out.logits.shape == (1, q, v_r)
+        assert cache.get_seq_length() == q
+        nxt = draft(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)  # q more on top
+        assert nxt.logits.shape == (1, 1, v_r) and cache.get_seq_length() == 2 * q
+
+
+def test_incremental_equals_full_forward(draft, pair):
+    ids = ids_of(pair, "Explain in one sentence why the sky is blue.")  # [1, L]
+    with torch.inference_mode():
+        full = draft(input_ids=ids, use_cache=False).logits  # [1, L, V_r]
+        cache = DynamicCache(config=draft.config)
+        parts = [draft(input_ids=ids[:, :10], cache=cache).logits]
+        parts += [draft(input_ids=ids[:, t : t + 1], cache=cache).logits for t in range(10, ids.shape[1] - 3)]
+        parts.append(draft(input_ids=ids[:, -3:], cache=cache).logits)  # a multi-token step on a cache
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-4, rtol=1e-4)
+
+
+def test_left_padded_batch_equals_single_rows(draft, pair):
+    rows = [pair.encode("Hi!"), pair.encode("Write a haiku about autumn leaves.")]
+    width = max(map(len, rows))
+    ids = torch.tensor([[EOS_ID] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        batched = draft(input_ids=ids, attention_mask=mask, position_ids=pos, cache=DynamicCache(config=draft.config)).logits
+        for b, row in enumerate(rows):
+            alone = draft(input_ids=torch.tensor([row])).logits[0]
+            torch.testing.assert_close(batched[b, width - len(row) :], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_spec1_with_draft_equals_reference(pair):
+    prompts = ["What is the capital of France?", "Write a short poem about the sea."]
+    params = SamplingParams(max_new_tokens=24)
+    ref = SpecDecoder(pair, method="reference").generate(prompts, params)
+    spec = SpecDecoder(pair, method="spec1", k=4, proposer="draft")
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert spec.stats.summary()["mean_accepted"] > 0.5  # a trained draft, not a random one

@@ -1,0 +1,122 @@
+"""EQSPEC: a synchronous padded batch realigned after every step equals the reference exactly,
+keeps every synchronization invariant, and the tests see the bug class the paper describes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import batchspec.batch
+from batchspec import SamplingParams, SpecDecoder, tiny_pair
+from batchspec.invariants import InvariantError
+
+from helpers import decode, random_prompts, reference_tokens
+
+
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 16),
+    batch=st.integers(1, 16),
+    k=st.integers(1, 8),
+    max_new=st.integers(1, 64),
+)
+def test_eqspec_equals_reference(tiny64, seed, n, batch, k, max_new):
+    prompts = random_prompts(seed, n, 1, 64)
+    got = decode(tiny64, prompts, max_new, method="eqspec", batch_size=batch, k=k)
+    assert got == reference_tokens(tiny64, prompts, max_new)
+
+
+@settings(max_examples=8)
+@given(seed=st.integers(0, 10**6), batch=st.integers(2, 6), k=st.integers(1, 6))
+def test_invariants_hold_after_every_step(tiny64, seed, batch, k):
+    prompts = random_prompts(seed, batch, 1, 40)
+    got = decode(tiny64, prompts, 24, method="eqspec", batch_size=batch, k=k, check_invariants=True)
+    assert got == reference_tokens(tiny64, prompts, 24)
+
+
+def test_every_draft_accepted(tiny_same):
+    prompts = random_prompts(20, 6, 1, 50)
+    dec = SpecDecoder(tiny_same, method="eqspec", k=4, batch_size=6, check_invariants=True)
+    outs = dec.generate(prompts, SamplingParams(max_new_tokens=41, ignore_eos=True))
+    assert set(dec.stats.accepted_hist) == {4, 0} or set(dec.stats.accepted_hist) == {4}  # last step may clip
+    ref = SpecDecoder(tiny_same, method="reference").generate(prompts, SamplingParams(max_new_tokens=41, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+
+
+def test_no_draft_accepted():
+    pair = tiny_pair(dtype=torch.float64)
+    pair.draft = tiny_pair(dtype=torch.float64, seed=99).target  # an unrelated model: acceptance ~ chance
+    prompts = random_prompts(21, 6, 1, 50)
+    dec = SpecDecoder(pair, method="eqspec", k=3, batch_size=6, check_invariants=True)
+    outs = dec.generate(prompts, SamplingParams(max_new_tokens=30))
+    hist = dec.stats.accepted_hist
+    assert hist[0] / sum(hist.values()) > 0.9
+    assert [o.token_ids for o in outs] == reference_tokens(pair, prompts, 30)
+
+
+def test_one_row_stops_mid_chunk_while_others_continue(tiny_same):
+    prompts = random_prompts(22, 4, 5, 30)
+    ref = reference_tokens(tiny_same, prompts, 30)
+    eos = ref[0][9]  # row 0 emits this mid-run; with all drafts accepted it lands inside a chunk
+    saved, tiny_same.eos_ids = tiny_same.eos_ids, frozenset([eos])
+    try:
+        dec = SpecDecoder(tiny_same, method="eqspec", k=5, batch_size=4, check_invariants=True)
+        outs = dec.generate(prompts, SamplingParams(max_new_tokens=30))
+        expected = reference_tokens(tiny_same, prompts, 30)
+    finally:
+        tiny_same.eos_ids = saved
+    assert [o.token_ids for o in outs] == expected
+    assert outs[0].finish_reason == "stop" and outs[0].token_ids[-1] == eos
+    assert "length" in {o.finish_reason for o in outs[1:]}
+
+
+def test_very_different_prompt_lengths(tiny64):
+    prompts = [random_prompts(23, 1, 1, 1)[0], random_prompts(24, 1, 300, 300)[0], random_prompts(25, 1, 17, 17)[0]]
+    got = decode(tiny64, prompts, 40, method="eqspec", batch_size=3, k=4, check_invariants=True)
+    assert got == reference_tokens(tiny64, prompts, 40)
+
+
+def test_batch_larger_than_prompt_count(tiny64):
+    prompts = random_prompts(26, 3, 1, 30)
+    assert decode(tiny64, prompts, 30, method="eqspec", batch_size=16, k=3) == reference_tokens(tiny64, prompts, 30)
+
+
+def test_float32_fixed_cases(tiny32):
+    prompts = random_prompts(27, 12, 1, 64)
+    assert decode(tiny32, prompts, 48, method="eqspec", batch_size=8, k=5) == reference_tokens(tiny32, prompts, 48)
+
+
+def _padded_column_positions(pad_left, start, q):
+    """The bug: positions from the padded column, ignoring each row's padding."""
+    cols = torch.arange(start, start + q, device=pad_left.device)
+    return cols[None, :].expand(pad_left.shape[0], q)
+
+
+def test_broken_positions_are_caught(tiny64, monkeypatch):
+    prompts = random_prompts(28, 8, 1, 64)
+    expected = reference_tokens(tiny64, prompts, 40)
+    monkeypatch.setattr(batchspec.batch, "column_positions", _padded_column_positions)
+    got = decode(tiny64, prompts, 40, method="eqspec", batch_size=8, k=4)
+    assert got != expected, "the equivalence test must fail on positions taken from the padded column"
+    with pytest.raises(InvariantError, match="positions skip or repeat|differ from a fresh prefill"):
+        decode(tiny64, prompts, 40, method="eqspec", batch_size=8, k=4, check_invariants=True)
+
+
+def test_skipped_kv_shift_is_caught(tiny64, monkeypatch):
+    """Cropping the caches instead of shifting each row's entries leaves rows misaligned."""
+    prompts = random_prompts(29, 8, 1, 64)
+    expected = reference_tokens(tiny64, prompts, 40)
+
+    def crop_only(cache, rows, index, full_batch):
+        width = index.shape[1]
+        for layer in cache.layers:
+            if layer.is_initialized:
+                layer.keys = layer.keys.index_select(0, rows)[:, :, :width]
+                layer.values = layer.values.index_select(0, rows)[:, :, :width]
+
+    monkeypatch.setattr(batchspec.batch.kv, "gather", crop_only)
+    assert decode(tiny64, prompts, 40, method="eqspec", batch_size=8, k=4) != expected
+    with pytest.raises(InvariantError):
+        decode(tiny64, prompts, 40, method="eqspec", batch_size=8, k=4, check_invariants=True)
