@@ -436,11 +436,13 @@ def generate_batch(target, prompts: list[list[int]], temps: list[float], max_new
         for j, row in enumerate(alive):  # keep hidden states of real (non-pad) columns
             hidden[row].append(h[j, int(pad[j]) if step == 0 else 0 :].to(torch.bfloat16))
         logits = (h[:, -1] @ emb.T).float()  # [b, V]
-        best = logits.argmax(-1)
+        best = logits.argmax(-1)  # [b]
+        nxt = best.clone()
         t = temp[alive]
-        probs = torch.softmax(logits / t.clamp(min=1e-4)[:, None], -1)
-        drawn = torch.multinomial(probs, 1, generator=gen)[:, 0]
-        nxt = torch.where(t > 0, drawn, best)
+        hot = (t > 0).nonzero()[:, 0]  # sampled rows only: a softmax over 49k ids is not free
+        if len(hot):
+            probs = torch.softmax(logits[hot] / t[hot, None], -1)
+            nxt[hot] = torch.multinomial(probs, 1, generator=gen)[:, 0]
         keep = []
         for j, row in enumerate(alive):
             tokens[row].append(int(nxt[j]))
@@ -548,13 +550,14 @@ def coverage(records: list[dict], vocab_ids: torch.Tensor, vocab_size: int) -> f
 # =====================================================================================
 
 
-def init_draft(target, layers: list[int], vocab_ids: torch.Tensor) -> SmolDraft:
-    """Draft layers copied from the target's `layers`, final norm from the target, head rows from
-    the target's (tied) output embedding at `vocab_ids`; float32 for training."""
+def init_draft(target, layers: list[int | None], vocab_ids: torch.Tensor) -> SmolDraft:
+    """Draft layers copied from the target's `layers` (None: keep the random init), final norm
+    from the target, head rows from the target's (tied) output embedding at `vocab_ids`; float32."""
     draft = SmolDraft(draft_config(target.config, len(layers)), vocab_ids)
     with torch.no_grad():
         for i, src in enumerate(layers):
-            draft.model.layers[i].load_state_dict(target.model.layers[src].state_dict())
+            if src is not None:
+                draft.model.layers[i].load_state_dict(target.model.layers[src].state_dict())
         draft.model.norm.load_state_dict(target.model.norm.state_dict())
         draft.lm_head.weight.copy_(target.model.embed_tokens.weight[vocab_ids])
     draft.tie_embedding(target.model.embed_tokens.weight)
@@ -769,14 +772,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data-only", action="store_true", help="stop once the data is cached")
     ap.add_argument("--out", default=DRAFT_FILE, help="weights file (the JSON goes next to it)")
     g = ap.add_argument_group("data generation")
-    g.add_argument("--prompt-scale", type=float, default=1.4, help="multiplies the prompts per category")
+    g.add_argument("--prompt-scale", type=float, default=1.2, help="multiplies the prompts per category")
     g.add_argument("--max-new-tokens", type=int, default=160)
     g.add_argument("--article-tokens", type=int, default=360, help="length of the passages the target writes")
     g.add_argument("--gen-batch", type=int, default=32)
     g.add_argument("--sample-frac", type=float, default=0.2, help="share of answers sampled instead of greedy")
     g.add_argument("--sample-temp", type=float, default=0.7)
     g = ap.add_argument_group("draft and training")
-    g.add_argument("--init-layers", default="0,1", help="target layers copied into the draft (their count is N)")
+    g.add_argument("--init-layers", default="0,1", help="target layers copied into the draft, 'r' for a random layer (their count is N)")
     g.add_argument("--vocab", type=int, default=8192, help="V_r, size of the reduced head")
     g.add_argument("--steps", type=int, default=1200)
     g.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
@@ -821,7 +824,7 @@ def run_training(args) -> None:
         ids = choose_vocab(train_recs, size, FORCED_IDS, vocab_size)
         log(f"V_r={size}: covers {coverage(train_recs, ids, vocab_size):.4f} of train / {coverage(val_recs, ids, vocab_size):.4f} of val answer tokens")
     vocab_ids = choose_vocab(train_recs, args.vocab, FORCED_IDS, vocab_size)
-    layers = [int(x) for x in args.init_layers.split(",")]
+    layers = [None if x == "r" else int(x) for x in args.init_layers.split(",")]
     draft = init_draft(target, layers, vocab_ids)
     head_teacher = target.model.embed_tokens.weight[vocab_ids].detach().float()  # [V_r, H]
     before = evaluate(draft, val_recs, args.k)
