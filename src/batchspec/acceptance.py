@@ -91,3 +91,10 @@ def _pad_draft(draft_probs: torch.Tensor) -> torch.Tensor:
 
 def _cap(num_accepted: torch.Tensor, limit: torch.Tensor | None) -> torch.Tensor:
     return num_accepted if limit is None else torch.minimum(num_accepted, limit.to(num_accepted.device))
+
+
+def accept(drafts, target_logits, draft_probs, target_probs, u_accept, u_final, limit) -> Outcome:
+    """The standard rule: greedy when `target_probs` is None, else rejection sampling."""
+    if target_probs is None:
+        return greedy_accept(drafts, target_logits, limit)
+    return rejection_sample(drafts, draft_probs, target_probs, u_accept, u_final, limit)

@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     _decode_options(gen, methods=True)
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    from . import equivalence
+
+    equivalence.add_parser(sub, (_model_options, _prompt_options), lambda p: _decode_options(p, methods=False))
+
     return parser
 
 
@@ -127,6 +131,18 @@ def cmd_generate(args) -> int:
             "models": pair.describe(),
         })
     return 0
+
+
+def parse_list(text: str, kind, flag: str) -> list:
+    """'a,b,c' -> [kind(a), ...], with a clear error on a bad item."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        values = [kind(t) for t in items]
+    except ValueError:
+        raise BatchspecError(f"{flag}: expected a comma-separated list of {kind.__name__}, got {text!r}") from None
+    if not values:
+        raise BatchspecError(f"{flag}: empty list")
+    return values
 
 
 def write_json(path: str, data: dict) -> None:

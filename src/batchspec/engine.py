@@ -61,7 +61,7 @@ def runner_for(method: str):
     if method in ("bsp", "dsd"):
         from . import baselines
 
-        return static(baselines.BSPBatch if method == "bsp" else baselines.DSDBatch)
+        return baselines.run_bsp if method == "bsp" else baselines.run_dsd
     return static(batch_size=1) if method == "spec1" else static()  # ar, spec1, eqspec
 
 

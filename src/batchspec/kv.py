@@ -97,3 +97,13 @@ def _left_pad_cat(parts: list[torch.Tensor], width_: int) -> torch.Tensor:
         if part.shape[2]:
             out[b, :, width_ - part.shape[2] :] = part[0]
     return out
+
+
+def pad_columns_left(cache: DynamicCache, n: int) -> None:
+    """In place: add n zero columns on the left of every layer."""
+    if n <= 0:
+        return
+    for layer in cache.layers:
+        if layer.is_initialized:
+            layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, n, 0))
+            layer.values = torch.nn.functional.pad(layer.values, (0, 0, n, 0))

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .acceptance import greedy_accept, rejection_sample
+from . import acceptance
 from .config import SamplingParams
 from .proposer import Proposal
 from .sampling import draw_uniforms, probabilities, sample
@@ -39,6 +39,7 @@ class Context:
     stats: Stats = field(default_factory=Stats)
     check: Callable | None = None  # invariant checker, called on the batch after each step
     on_finish: Callable[[list[Sequence]], None] = lambda seqs: None
+    accept: Callable = acceptance.accept  # the acceptance rule (baselines.py plants a broken one)
 
     @property
     def roles(self) -> list[str]:
@@ -83,11 +84,11 @@ def decode_step(ctx: Context, batch) -> list[Sequence]:
     with stats.stage("accept"):
         k_eff = drafts.shape[1]
         if params.greedy:
-            outcome = greedy_accept(drafts, logits, limit)
+            outcome = ctx.accept(drafts, logits, None, None, None, None, limit)
         else:
             target_probs = probabilities(logits, params)
-            outcome = rejection_sample(
-                drafts, proposal.draft_probs, target_probs, u[:, k : k + k_eff], u[:, 2 * k], limit
+            outcome = ctx.accept(
+                drafts, logits, proposal.draft_probs, target_probs, u[:, k : k + k_eff], u[:, 2 * k], limit
             )
         rows, accepted = outcome.rows(), outcome.num_accepted.tolist()
         kept = [seq.commit(row, a) for seq, row, a in zip(batch.seqs, rows, accepted)]
