@@ -768,6 +768,7 @@ def measure(args) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--data", default="/tmp/batchspec_draft/data.pt", help="cache of the generated data")
     ap.add_argument("--data-only", action="store_true", help="stop once the data is cached")
     ap.add_argument("--out", default=DRAFT_FILE, help="weights file (the JSON goes next to it)")
@@ -864,6 +865,7 @@ def run_training(args) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     if not args.eval_only:
