@@ -50,10 +50,10 @@ def test_tolerance_scales_with_dtype():
 
 def test_broken_baselines_are_caught_and_correct_methods_are_exact(tiny32):
     prompts = random_prompts(42, 10, 1, 64)
-    report = verify(tiny32, prompts, ["eqspec", "exspec", "bsp", "dsd"], [1, 4], SamplingParams(max_new_tokens=32), k=4, progress=False)
+    report = verify(tiny32, prompts, ["eqspec", "exspec", "ragged", "bsp", "dsd"], [1, 4], SamplingParams(max_new_tokens=32), k=4, progress=False)
     by = {(r["method"], r["batch_size"]): r for r in report["runs"]}
     for b in (1, 4):
-        for m in ("eqspec", "exspec"):
+        for m in ("eqspec", "exspec", "ragged"):
             assert by[m, b]["exact_match"] == 1.0 and by[m, b]["unexplained"] == 0
         for m in ("bsp", "dsd"):
             assert by[m, b]["unexplained"] > 0, f"{m} should show unexplained divergences"

@@ -28,7 +28,7 @@ def test_seed_gives_same_tokens_across_batch_sizes_and_methods(tiny64, params):
     prompts = random_prompts(50, 9, 1, 40)
     seeds = [7] * 4 + [11, 12, 13, 14, 15]
     base = _sample(tiny64, prompts, "spec1", 1, seeds, params)
-    for method in ("spec1", "eqspec", "exspec"):
+    for method in ("spec1", "eqspec", "exspec", "ragged"):
         for batch in (1, 4, 8):
             assert _sample(tiny64, prompts, method, batch, seeds, params) == base, f"{method} at batch {batch}"
     assert _sample(tiny64, prompts, "eqspec", 4, [99] * 9, params) != base  # the seed matters

@@ -106,6 +106,8 @@ class PaddedBatch:
         assert bool((self.pad_left == self.width - lengths).all()), "pad_left does not match row lengths"
         assert int(self.pad_left.min()) == 0, "padding accumulated: min(pad_left) > 0"
         assert self.cache_width("target") == self.width - 1, "target cache must hold all tokens but the last"
+        for role in self.caches:
+            assert self.width - self.cache_width(role) in (1, 2), f"{role}: cache width is not width - lag"
         mask = padding_mask(self.pad_left, self.width)
         positions = column_positions(self.pad_left, 0, self.width)
         for b, seq in enumerate(self.seqs):

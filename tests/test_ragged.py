@@ -1,0 +1,60 @@
+"""The realignment-free ragged layout: exact equality with the reference, valid slots equal to a
+fresh prefill after every step, continuous admission, and the KV budget."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchspec import BatchspecError, SamplingParams, SpecDecoder
+
+from helpers import decode, random_prompts, reference_tokens
+
+
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 40),
+    batch=st.integers(1, 16),
+    k=st.integers(1, 8),
+    max_new=st.integers(1, 48),
+)
+def test_ragged_equals_reference(tiny64, seed, n, batch, k, max_new):
+    prompts = random_prompts(seed, n, 1, 64)
+    random.Random(seed).shuffle(prompts)  # arrival order is arbitrary
+    got = decode(tiny64, prompts, max_new, method="ragged", batch_size=batch, k=k)
+    assert got == reference_tokens(tiny64, prompts, max_new)
+
+
+@settings(max_examples=8)
+@given(seed=st.integers(0, 10**6), batch=st.integers(1, 6), k=st.integers(1, 6))
+def test_valid_slots_equal_a_fresh_prefill_after_every_step(tiny64, seed, batch, k):
+    prompts = random_prompts(seed, 9, 1, 30)
+    got = decode(tiny64, prompts, 24, method="ragged", batch_size=batch, k=k, check_invariants=True)
+    assert got == reference_tokens(tiny64, prompts, 24)
+
+
+def test_ngram_proposer_without_a_draft_cache(tiny64):
+    prompts = [[10, 11, 12, 13] * 5, [1, 2, 3, 1, 2], [7]]
+    got = decode(tiny64, prompts, 30, method="ragged", batch_size=2, k=3, proposer="ngram", check_invariants=True)
+    assert got == reference_tokens(tiny64, prompts, 30)
+
+
+def test_realign_time_is_negligible(tiny64):
+    dec = SpecDecoder(tiny64, method="ragged", batch_size=8, k=4)
+    dec.generate(random_prompts(60, 16, 1, 64), SamplingParams(max_new_tokens=40))
+    s = dec.stats.summary()
+    assert s["time_share"]["realign"] < 0.05 and s["time_share"]["verify"] > s["time_share"]["realign"]
+
+
+def test_kv_budget_is_enforced(tiny64):
+    prompts = random_prompts(61, 3, 10, 20)
+    dec = SpecDecoder(tiny64, method="ragged", batch_size=2, k=4, kv_budget_tokens=30)
+    with pytest.raises(BatchspecError, match=r"needs \d+ KV slots .* the KV budget is 30 per row"):
+        dec.generate(prompts, SamplingParams(max_new_tokens=32))
+    dec = SpecDecoder(tiny64, method="ragged", batch_size=2, k=4, kv_budget_tokens=64)
+    out = dec.generate(prompts, SamplingParams(max_new_tokens=32))
+    assert [o.token_ids for o in out] == reference_tokens(tiny64, prompts, 32)
+    assert dec.stats.summary()["kv_budget_tokens"] == 64
