@@ -33,6 +33,7 @@ def _prompt_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("prompt", nargs="*", help="prompts (default: a few built-in ones)")
     g.add_argument("--prompts", metavar="FILE", help="Spec-Bench JSONL (first turn) or a text file, one prompt per line")
     g.add_argument("--limit", type=int, help="use only the first N prompts of --prompts")
+    g.add_argument("--every", type=int, default=1, help="take every N-th prompt of --prompts (spreads a sample over Spec-Bench's categories)")
     g.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text")
 
 
@@ -64,9 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     _decode_options(gen, methods=True)
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    from . import equivalence
+    from . import bench, equivalence
 
-    equivalence.add_parser(sub, (_model_options, _prompt_options), lambda p: _decode_options(p, methods=False))
+    for module in (equivalence, bench):
+        module.add_parser(sub, (_model_options, _prompt_options), lambda p: _decode_options(p, methods=False))
 
     return parser
 
@@ -75,7 +77,7 @@ def load_prompts(args) -> list[Prompt]:
     if args.prompts and args.prompt:
         raise BatchspecError("give prompts either on the command line or with --prompts, not both")
     if args.prompts:
-        return read_prompts(args.prompts, args.limit)
+        return read_prompts(args.prompts, args.limit, args.every)
     texts = args.prompt or DEFAULT_PROMPTS
     return [Prompt(t) for t in texts][: args.limit] if args.limit else [Prompt(t) for t in texts]
 

@@ -16,19 +16,20 @@ class Prompt:
     category: str | None = None
 
 
-def read_prompts(path: str, limit: int | None = None) -> list[Prompt]:
-    """Prompts from `path`, in file order, at most `limit` of them."""
+def read_prompts(path: str, limit: int | None = None, every: int = 1) -> list[Prompt]:
+    """Prompts from `path`, in file order: every `every`-th one, at most `limit` of them."""
     if not os.path.isfile(path):
         raise BatchspecError(f"prompt file not found: {path}")
     if limit is not None and limit < 1:
         raise BatchspecError(f"--limit must be >= 1, got {limit}")
+    if every < 1:
+        raise BatchspecError(f"--every must be >= 1, got {every}")
     with open(path, encoding="utf-8") as f:
         lines = [line.rstrip("\n") for line in f]
     jsonl = path.endswith(".jsonl") or (lines and lines[0].lstrip().startswith("{"))
     prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    rows = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    for number, line in rows[::every]:
         prompts.append(_parse_json(line, path, number) if jsonl else Prompt(line))
         if limit is not None and len(prompts) >= limit:
             break

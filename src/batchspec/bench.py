@@ -1,0 +1,236 @@
+"""`batchspec bench`: every method side by side on the same prompts, models and process.
+
+Methods are interleaved within each repeat, so drift of the machine hits all of them alike; a
+short warm-up of every method runs first. Per (method, batch size) we report throughput (prefill
+included, and decode alone), tokens per step, the accepted histogram, time shares per stage,
+peak memory, ratios vs `ar` at the same batch size and vs `spec1`, and the efficiency against
+the speed-of-light model of costs.py. `spec1` and `reference` run one sequence at a time, so they
+are measured once per repeat and listed at batch size 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import threading
+
+import psutil
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from .config import EngineConfig, SamplingParams
+from .costs import cost_table, speed_of_light
+from .engine import SpecDecoder
+
+UNBATCHED = ("spec1", "reference")
+
+
+class PeakMemory:
+    """Peak resident memory of this process while the block runs (sampled every 10 ms), and the
+    peak CUDA allocation on a GPU."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.peak_rss = 0
+
+    def __enter__(self):
+        self._stop = threading.Event()
+        self._proc = psutil.Process(os.getpid())
+        self.peak_rss = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.01):
+            self.peak_rss = max(self.peak_rss, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak_cuda = torch.cuda.max_memory_allocated() if self.cuda else None
+
+    def summary(self) -> dict:
+        out = {"peak_rss_mb": self.peak_rss / 2**20}
+        if self.cuda:
+            out["peak_cuda_mb"] = self.peak_cuda / 2**20
+        return out
+
+
+def combos(methods: list[str], batch_sizes: list[int]) -> list[tuple[str, int]]:
+    out = []
+    for m in methods:
+        out += [(m, 1)] if m in UNBATCHED else [(m, b) for b in batch_sizes]
+    return out
+
+
+def run_one(pair, prompts, method, batch, params, k, proposer) -> dict:
+    dec = SpecDecoder(pair, EngineConfig(method=method, batch_size=batch, k=k, proposer=proposer))
+    with PeakMemory(pair.device) as mem:
+        dec.generate(prompts, params)
+    return dec.stats.summary() | mem.summary() | {"proposer": dec.proposer_name}
+
+
+def bench(pair, prompts, methods, batch_sizes, params: SamplingParams, k=4, proposer=None, repeats=1, progress=True) -> dict:
+    """Run everything; returns the JSON-ready report."""
+    runs = combos(methods, batch_sizes)
+    for method, batch in tqdm(runs, desc="warm-up", disable=not progress, leave=False):
+        run_one(pair, prompts[:2], method, batch, SamplingParams(max_new_tokens=8), k, proposer)
+    samples: dict = {c: [] for c in runs}
+    total = len(runs) * repeats
+    with tqdm(total=total, desc="bench", disable=not progress, leave=False) as bar:
+        for _ in range(repeats):
+            for c in runs:
+                bar.set_postfix_str(f"{c[0]} b={c[1]}")
+                samples[c].append(run_one(pair, prompts, *c, params, k, proposer))
+                bar.update(1)
+    has_draft = samples[runs[0]][0]["proposer"] == "draft" and pair.draft is not None
+    context = int(statistics.mean(len(p) for p in _encoded(pair, prompts)) + params.max_new_tokens / 2)
+    costs = cost_table(pair.target, pair.draft if has_draft else None, sorted({b for _, b in runs}), k, context)
+    report_runs = [_summarise(m, b, samples[(m, b)], costs, k, has_draft) for m, b in runs]
+    _ratios(report_runs)
+    return {"runs": report_runs, "costs": _json_costs(costs), "machine": machine(pair), "models": pair.describe(),
+            "k": k, "max_new_tokens": params.max_new_tokens, "n_prompts": len(prompts), "repeats": repeats}
+
+
+def _encoded(pair, prompts):
+    return [pair.encode(p) for p in prompts]
+
+
+def _summarise(method, batch, samples, costs, k, has_draft) -> dict:
+    """Median over repeats of throughput; the rest from the median run."""
+    ordered = sorted(samples, key=lambda s: s["tokens_per_s"])
+    mid = ordered[len(ordered) // 2]
+    sol = speed_of_light(costs, method, batch, k, mid["mean_tokens_per_step"], has_draft and method not in ("ar", "reference"))
+    keys = ("tokens_per_s", "decode_tokens_per_s", "prefill_s", "wall_s", "tokens", "mean_tokens_per_step", "mean_accepted",
+            "mean_batch_occupancy", "accepted_histogram", "time_share", "peak_rss_mb", "peak_cuda_mb", "group_rate", "proposer")
+    return {"method": method, "batch_size": batch} | {key: mid[key] for key in keys if key in mid} | {
+        "tokens_per_s_repeats": [s["tokens_per_s"] for s in samples],
+        "speed_of_light_tokens_per_s": sol,
+        "efficiency": mid["decode_tokens_per_s"] / sol,
+    }
+
+
+def _ratios(runs: list[dict]) -> None:
+    ar = {r["batch_size"]: r["tokens_per_s"] for r in runs if r["method"] == "ar"}
+    spec1 = next((r["tokens_per_s"] for r in runs if r["method"] == "spec1"), None)
+    for r in runs:
+        r["vs_ar"] = r["tokens_per_s"] / ar[r["batch_size"]] if r["batch_size"] in ar else None
+        r["vs_spec1"] = r["tokens_per_s"] / spec1 if spec1 else None
+
+
+def _json_costs(costs: dict) -> dict:
+    ms = lambda d: {str(b): {str(q): 1000 * s for q, s in row.items()} for b, row in d.items()}
+    return {"context_tokens": costs["context"], "target_ms": ms(costs["target"]), "draft_ms": ms(costs["draft"])}
+
+
+def machine(pair) -> dict:
+    device = pair.device
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(device),
+    }
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def table(report: dict) -> str:
+    head = (f"{'method':<9}{'B':>4}{'tok/s':>9}{'decode':>9}{'tok/step':>9}{'vs ar':>7}{'vs spec1':>9}{'SoL':>8}{'eff':>6}"
+            f"{'draft':>7}{'verify':>7}{'realign':>8}{'sched':>7}{'prefill':>8}{'other':>7}")
+    lines = [head, "-" * len(head)]
+    fmt = lambda x, f: "-" if x is None else format(x, f)
+    for r in report["runs"]:
+        sh = r["time_share"]
+        lines.append(
+            f"{r['method']:<9}{r['batch_size']:>4}{r['tokens_per_s']:>9.1f}{r['decode_tokens_per_s']:>9.1f}"
+            f"{r['mean_tokens_per_step']:>9.2f}{fmt(r['vs_ar'], '>7.2f')}{fmt(r['vs_spec1'], '>9.2f')}"
+            f"{r['speed_of_light_tokens_per_s']:>8.1f}{r['efficiency']:>6.2f}"
+            + "".join(f"{sh.get(s, 0.0):>{w}.0%}" for s, w in (("draft", 7), ("verify", 7), ("realign", 8), ("schedule", 7), ("prefill", 8), ("other", 7)))
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Throughput vs batch size per method, and the stage breakdown of every run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for method in dict.fromkeys(r["method"] for r in runs):
+        rs = [r for r in runs if r["method"] == method]
+        if method in UNBATCHED:
+            left.axhline(rs[0]["tokens_per_s"], linestyle="--", color="gray", label=f"{method} (one at a time)")
+        else:
+            left.plot([r["batch_size"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=method)
+    left.set_xscale("log", base=2)
+    left.set_xticks(sorted({r["batch_size"] for r in runs}))
+    left.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    left.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    left.set(xlabel="batch size", ylabel="tokens/s (prefill included)", title="Throughput", ylim=(0, None))
+    left.legend(fontsize=8, loc="best")
+    stages = ("prefill", "draft", "verify", "accept", "realign", "schedule", "other")
+    labels = [f"{r['method']}\nB={r['batch_size']}" for r in runs]
+    bottom = [0.0] * len(runs)
+    for stage in stages:
+        vals = [r["time_share"].get(stage, 0.0) for r in runs]
+        right.bar(range(len(runs)), vals, bottom=bottom, label=stage)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    right.set_xticks(range(len(runs)), labels, fontsize=7, rotation=90)
+    right.set(ylabel="share of wall time", title="Where the time goes")
+    right.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle(f"{report['models']['pair']} ({report['models']['dtype']}), k={report['k']}, {report['n_prompts']} prompts x {report['max_new_tokens']} new tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_parser(sub, common, decode_options) -> None:
+    p = sub.add_parser("bench", help="time every method side by side, with the speed-of-light model")
+    for add in common:
+        add(p)
+    decode_options(p)
+    p.add_argument("--methods", default="ar,spec1,eqspec,exspec,ragged", help="comma-separated")
+    p.add_argument("--batch-sizes", default="1,4,8", help="comma-separated (default: 1,4,8)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each method, interleaved (default 1)")
+    p.add_argument("--plot", metavar="OUT.png", help="write the throughput / stage plot")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(run=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from .cli import load_models, load_prompts, parse_list, sampling_params, write_json
+    from .errors import BatchspecError
+
+    params = sampling_params(args)
+    methods = parse_list(args.methods, str, "--methods")
+    batch_sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
+    for m in methods:
+        EngineConfig(method=m, k=args.k, proposer=args.proposer)
+    if args.repeats < 1:
+        raise BatchspecError(f"--repeats must be >= 1, got {args.repeats}")
+    prompts = [p.text for p in load_prompts(args)]
+    pair = load_models(args)
+    report = bench(pair, prompts, methods, batch_sizes, params, k=args.k, proposer=args.proposer, repeats=args.repeats, progress=not args.quiet)
+    report["command"] = "batchspec " + " ".join(sys.argv[1:])
+    print(table(report))
+    if args.json:
+        write_json(args.json, report)
+    if args.plot:
+        plot(report, args.plot)
+    return 0

@@ -1,0 +1,46 @@
+"""`batchspec bench` and `batchspec generate` on the tiny pair: every field, the plot, the JSON."""
+
+from __future__ import annotations
+
+import json
+
+from batchspec.cli import main
+
+
+def test_bench_cli_reports_every_field(tmp_path, capsys):
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    rc = main(["bench", "--pair", "tiny", "--methods", "ar,spec1,eqspec,exspec,ragged", "--batch-sizes", "1,2",
+               "--max-new-tokens", "8", "--quiet", "--json", str(out), "--plot", str(png), "one prompt", "another", "third"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert {"runs", "machine", "models", "costs"} <= set(report)
+    runs = {(r["method"], r["batch_size"]) for r in report["runs"]}
+    assert runs == {("ar", 1), ("ar", 2), ("spec1", 1), ("eqspec", 1), ("eqspec", 2), ("exspec", 1), ("exspec", 2), ("ragged", 1), ("ragged", 2)}
+    for r in report["runs"]:
+        for key in ("tokens_per_s", "decode_tokens_per_s", "prefill_s", "mean_tokens_per_step", "accepted_histogram",
+                    "time_share", "vs_ar", "vs_spec1", "speed_of_light_tokens_per_s", "efficiency", "peak_rss_mb"):
+            assert key in r, key
+        assert set(r["time_share"]) >= {"draft", "verify", "realign", "schedule", "other"}
+        assert r["tokens_per_s"] > 0 and 0 < r["efficiency"]
+    ar = [r for r in report["runs"] if r["method"] == "ar"]
+    assert all(r["vs_ar"] == 1.0 for r in ar)
+    assert "group_rate" in next(r for r in report["runs"] if r["method"] == "exspec")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "vs spec1" in capsys.readouterr().out
+
+
+def test_generate_cli_writes_results_in_input_order(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"prompt number {i}", "x"]}) for i in range(5)))
+    out = tmp_path / "o.json"
+    rc = main(["generate", "--pair", "tiny", "--method", "exspec", "--batch-size", "2", "--prompts", str(prompts),
+               "--limit", "4", "--max-new-tokens", "6", "--quiet", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert [r["prompt"] for r in data["results"]] == [f"prompt number {i}" for i in range(4)]
+    for r in data["results"]:
+        assert {"prompt", "text", "token_ids", "finish_reason", "accepted_per_step"} <= set(r)
+        assert 1 <= len(r["token_ids"]) <= 6
+    assert "group_rate" in data["stats"] and "tokens_per_s" in data["stats"]
+    printed = capsys.readouterr().out
+    assert "tok/s" in printed and "prompt number 3" in printed
