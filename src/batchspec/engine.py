@@ -27,10 +27,12 @@ from .step import Context, decode_step, prefill
 
 
 def run_static(ctx: Context, seqs: list[Sequence], batch_size: int, batch_cls=PaddedBatch) -> None:
-    """Static batches in input order: prefill B sequences together, step until every row has
-    finished (finished rows leave the batch at once), then take the next B."""
-    for start in range(0, len(seqs), batch_size):
-        chunk = seqs[start : start + batch_size]
+    """Static batches: prefill B sequences together, step until every row has finished (finished
+    rows leave the batch at once), then take the next B. Batches are formed from prompts sorted by
+    length, so rows of a batch start with little padding; outputs keep the input order."""
+    ordered = sorted(seqs, key=len)
+    for start in range(0, len(ordered), batch_size):
+        chunk = ordered[start : start + batch_size]
         for seq in chunk:
             seq.status = Status.RUNNING
         caches = {role: kv.empty(model.config) for role, model in ctx.models().items()}
