@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from batchspec import BatchspecError, EngineConfig, SamplingParams, SpecDecoder, tiny_pair
 from batchspec.cli import main

@@ -200,32 +200,13 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-def add_parser(sub, common, decode_options) -> None:
-    p = sub.add_parser("bench", help="time every method side by side, with the speed-of-light model")
-    for add in common:
-        add(p)
-    decode_options(p)
-    p.add_argument("--methods", default="ar,spec1,eqspec,exspec,ragged", help="comma-separated")
-    p.add_argument("--batch-sizes", default="1,4,8", help="comma-separated (default: 1,4,8)")
-    p.add_argument("--repeats", type=int, default=1, help="runs of each method, interleaved (default 1)")
-    p.add_argument("--plot", metavar="OUT.png", help="write the throughput / stage plot")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(run=run_cli)
-
-
 def run_cli(args: argparse.Namespace) -> int:
-    from .cli import load_models, load_prompts, parse_list, sampling_params, write_json
+    from .cli import comparison_inputs, write_json
     from .errors import BatchspecError
 
-    params = sampling_params(args)
-    methods = parse_list(args.methods, str, "--methods")
-    batch_sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
-    for m in methods:
-        EngineConfig(method=m, k=args.k, proposer=args.proposer)
     if args.repeats < 1:
         raise BatchspecError(f"--repeats must be >= 1, got {args.repeats}")
-    prompts = [p.text for p in load_prompts(args)]
-    pair = load_models(args)
+    params, methods, batch_sizes, prompts, pair = comparison_inputs(args)
     report = bench(pair, prompts, methods, batch_sizes, params, k=args.k, proposer=args.proposer, repeats=args.repeats, progress=not args.quiet)
     report["command"] = "batchspec " + " ".join(sys.argv[1:])
     print(table(report))

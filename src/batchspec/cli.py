@@ -67,10 +67,40 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import bench, equivalence
 
-    for module in (equivalence, bench):
-        module.add_parser(sub, (_model_options, _prompt_options), lambda p: _decode_options(p, methods=False))
-
+    verify = _comparison(sub, "verify", "compare methods with the target alone and explain every divergence",
+                         "eqspec,exspec,ragged", equivalence.run_cli)
+    verify.set_defaults(max_new_tokens=48)
+    b = _comparison(sub, "bench", "time every method side by side, with the speed-of-light model",
+                    "ar,spec1,eqspec,exspec,ragged", bench.run_cli)
+    b.add_argument("--repeats", type=int, default=1, help="runs of each method, interleaved (default 1)")
+    b.add_argument("--plot", metavar="OUT.png", help="write the throughput / stage plot")
     return parser
+
+
+def _comparison(sub, name: str, help: str, methods: str, run) -> argparse.ArgumentParser:
+    """A subcommand that runs several methods at several batch sizes on the same prompts."""
+    p = sub.add_parser(name, help=help)
+    _model_options(p)
+    _prompt_options(p)
+    _decode_options(p, methods=False)
+    p.add_argument("--methods", default=methods, help=f"comma-separated (default: {methods})")
+    p.add_argument("--batch-sizes", default="1,4,8", help="comma-separated (default: 1,4,8)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(run=run)
+    return p
+
+
+def comparison_inputs(args):
+    """Validated (params, methods, batch sizes, prompt texts, pair) for verify and bench; every
+    option is checked before the (slow) model load."""
+    params = sampling_params(args)
+    methods = parse_list(args.methods, str, "--methods")
+    batch_sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
+    for method in methods:
+        for batch in batch_sizes:
+            engine_config(args, method, batch, progress=False)
+    prompts = [p.text for p in load_prompts(args)]
+    return params, methods, batch_sizes, prompts, load_models(args)
 
 
 def load_prompts(args) -> list[Prompt]:

@@ -14,16 +14,15 @@ from functools import partial
 import torch
 from tqdm.auto import tqdm
 
-from . import kv
 from .batch import PaddedBatch
 from .config import EngineConfig, SamplingParams
 from .errors import BatchspecError
 from .models import ModelPair, load_pair
 from .proposer import DraftProposer, NgramProposer
 from .sampling import make_generator
-from .sequence import GenerationOutput, Sequence, Status
+from .sequence import GenerationOutput, Sequence
 from .stats import Stats
-from .step import Context, decode_step, prefill
+from .step import Context, decode_step, start
 
 
 def run_static(ctx: Context, seqs: list[Sequence], batch_size: int, batch_cls=PaddedBatch) -> None:
@@ -31,13 +30,8 @@ def run_static(ctx: Context, seqs: list[Sequence], batch_size: int, batch_cls=Pa
     rows leave the batch at once), then take the next B. Batches are formed from prompts sorted by
     length, so rows of a batch start with little padding; outputs keep the input order."""
     ordered = sorted(seqs, key=len)
-    for start in range(0, len(ordered), batch_size):
-        chunk = ordered[start : start + batch_size]
-        for seq in chunk:
-            seq.status = Status.RUNNING
-        caches = {role: kv.empty(model.config) for role, model in ctx.models().items()}
-        batch = batch_cls(chunk, caches, ctx.pad_id, ctx.device)
-        prefill(ctx, batch)
+    for first in range(0, len(ordered), batch_size):
+        batch = start(ctx, ordered[first : first + batch_size], batch_cls)
         while len(batch):
             decode_step(ctx, batch)
 

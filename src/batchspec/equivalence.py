@@ -133,27 +133,10 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def add_parser(sub, common, decode_options) -> None:
-    p = sub.add_parser("verify", help="compare methods with the target alone and explain every divergence")
-    for add in common:
-        add(p)
-    decode_options(p)
-    p.add_argument("--methods", default="eqspec,exspec", help="comma-separated (default: eqspec,exspec)")
-    p.add_argument("--batch-sizes", default="1,4,8", help="comma-separated (default: 1,4,8)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(run=run_cli)
-
-
 def run_cli(args: argparse.Namespace) -> int:
-    from .cli import load_models, load_prompts, parse_list, sampling_params, write_json
+    from .cli import comparison_inputs, write_json
 
-    params = sampling_params(args)
-    methods = parse_list(args.methods, str, "--methods")
-    batch_sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
-    for m in methods:
-        EngineConfig(method=m)  # validates the name before loading models
-    prompts = [p.text for p in load_prompts(args)]
-    pair = load_models(args)
+    params, methods, batch_sizes, prompts, pair = comparison_inputs(args)
     report = verify(pair, prompts, methods, batch_sizes, params, k=args.k, proposer=args.proposer,
                     chat_template=not args.no_chat_template, progress=not args.quiet)
     print(table(report))

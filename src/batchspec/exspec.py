@@ -18,8 +18,8 @@ from __future__ import annotations
 from . import kv
 from .batch import PaddedBatch
 from .scheduler import Scheduler
-from .sequence import Sequence, Status
-from .step import Context, decode_step, prefill
+from .sequence import Sequence
+from .step import Context, decode_step, start
 
 
 class Store:
@@ -98,11 +98,7 @@ def _park(store: Store, batch: PaddedBatch | None) -> None:
 
 
 def _prefill(ctx: Context, store: Store, chosen: list[Sequence]) -> list[Sequence]:
-    for s in chosen:
-        s.status = Status.RUNNING
-    caches = {role: kv.empty(m.config) for role, m in ctx.models().items()}
-    batch = PaddedBatch(chosen, caches, ctx.pad_id, ctx.device)
-    finished = prefill(ctx, batch)
+    batch = start(ctx, chosen)
     with ctx.stats.stage("realign"):
         _park(store, batch)
-    return finished
+    return [s for s in chosen if s.finished]

@@ -25,8 +25,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import kv
 from .batch import PaddedBatch
 from .errors import BatchspecError
-from .sequence import Sequence, Status
-from .step import Context, decode_step, prefill
+from .sequence import Sequence
+from .step import Context, decode_step, start
 
 
 class SlotLayer(CacheLayerMixin):
@@ -208,12 +208,7 @@ def run(ctx: Context, seqs: list[Sequence], config) -> None:
 
 def _admit(ctx: Context, batch: RaggedBatch, newcomers: list[Sequence]) -> None:
     """Prefill newcomers together (shortest first, as one padded batch) and move them in."""
-    newcomers = sorted(newcomers, key=len)
-    for s in newcomers:
-        s.status = Status.RUNNING
-    caches = {role: kv.empty(m.config) for role, m in ctx.models().items()}
-    padded = PaddedBatch(newcomers, caches, ctx.pad_id, ctx.device)
-    prefill(ctx, padded)
+    padded = start(ctx, sorted(newcomers, key=len))
     if len(padded):
         with ctx.stats.stage("schedule"):
             batch.admit(padded)

@@ -17,11 +17,12 @@ from typing import Callable
 
 import torch
 
-from . import acceptance
+from . import acceptance, kv
+from .batch import PaddedBatch
 from .config import SamplingParams
 from .proposer import Proposal
 from .sampling import draw_uniforms, probabilities, sample
-from .sequence import Sequence
+from .sequence import Sequence, Status
 from .stats import Stats
 from .verifier import forward, verify
 
@@ -52,6 +53,17 @@ class Context:
         if "draft" in self.roles:
             out["draft"] = self.proposer.model
         return out
+
+
+def start(ctx: Context, seqs: list[Sequence], batch_cls=None):
+    """Mark `seqs` running, put them in a fresh padded batch (empty caches) and prefill it.
+    Returns the batch, holding the rows that did not finish at once."""
+    for seq in seqs:
+        seq.status = Status.RUNNING
+    caches = {role: kv.empty(model.config) for role, model in ctx.models().items()}
+    batch = (batch_cls or PaddedBatch)(seqs, caches, ctx.pad_id, ctx.device)
+    prefill(ctx, batch)
+    return batch
 
 
 def prefill(ctx: Context, batch) -> list[Sequence]:
