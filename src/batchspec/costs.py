@@ -1,7 +1,8 @@
 """The speed-of-light model: what a method would reach with zero engine overhead.
 
 We time single forwards of the target and the draft on the same machine, in the same process, at
-each batch size and query length a method uses, over a cache of representative length. A
+each batch size and query length a method uses, over a cache of representative length (held in
+kv.py's in-place buffers, so a forward is charged no cache copy). A
 speculative step of a full batch of B rows then costs at least
     k x draft(B, 1) + target(B, k + 1)
 and yields B x (mean tokens per step) tokens; plain decoding costs target(B, 1) per token row.
@@ -16,7 +17,8 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache
+
+from . import kv
 
 
 @torch.inference_mode()
@@ -25,7 +27,7 @@ def forward_seconds(model, batch: int, query: int, context: int, repeats: int = 
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
-    cache = DynamicCache(config=model.config)
+    cache = kv.empty(model.config)
     model(input_ids=torch.randint(vocab, (batch, context), generator=gen).to(device), cache=cache, use_cache=True, logits_to_keep=1)
     ids = torch.randint(vocab, (batch, query), generator=gen).to(device)
     times = []
@@ -35,7 +37,7 @@ def forward_seconds(model, batch: int, query: int, context: int, repeats: int = 
         model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=query)
         sync(device)
         times.append(time.perf_counter() - start)
-        cache.crop(-query)
+        kv.crop(cache, query)
     return statistics.median(times)
 
 

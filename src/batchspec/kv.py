@@ -1,62 +1,137 @@
-"""The only code that reads or writes transformers' Cache objects.
+"""The only code that reads or writes the padded layout's KV caches.
 
-Layout: a `DynamicCache` whose layers hold keys/values [B, H_kv, W, D]; `W` is the cache width.
+`BufferCache` is a transformers `Cache` whose layers keep keys/values in preallocated buffers
+[B, H_kv, capacity, D]; columns [0, width) are the cache. A forward writes its new columns in
+place (the buffer doubles when full), so feeding a token costs no copy of the cache; transformers'
+`DynamicCache` concatenates, i.e. copies every layer's whole cache on every forward. Each
+function that moves entries (gather, stack) writes into a fresh buffer with `RESERVE` spare
+columns, enough for one speculative step without growing.
+
 Which columns are real and which are padding is not the cache's business: the caller (a padded
 batch, a per-sequence store) keeps that. `SeqKV` is one sequence's share: a list over layers of
 (keys, values) [1, H_kv, n, D] holding its n real entries, oldest first.
 
-Only full-attention `DynamicLayer`s are supported (`models.check_supported` refuses the rest).
+Only full-attention models are supported (`models.check_supported` refuses the rest).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 SeqKV = list[tuple[torch.Tensor, torch.Tensor]]
+RESERVE = 32  # spare columns allocated past the width whenever entries are moved
 
 
-def empty(config) -> DynamicCache:
+class BufferLayer(CacheLayerMixin):
+    """One layer: `keys`/`values` buffers [B, H, capacity, D], of which columns [0, width) are in use."""
+
+    is_sliding = False
+
+    def __init__(self):
+        super().__init__()
+        self.width = 0
+
+    def hold(self, keys: torch.Tensor, values: torch.Tensor, width: int) -> None:
+        """Use these buffers; their first `width` columns are the cache."""
+        self.keys, self.values, self.width = keys, values, width
+        self.device, self.is_initialized = keys.device, True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        room = key_states.shape[2] + RESERVE
+        self.hold(_room(key_states[:, :, :0], room), _room(value_states[:, :, :0], room), 0)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new columns in place (doubling the buffers when full); return the cache."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, q = self.width, key_states.shape[2]
+        if start + q > self.keys.shape[2]:
+            room = max(2 * self.keys.shape[2], start + q + RESERVE)
+            self.hold(_room(self.keys[:, :, :start], room), _room(self.values[:, :, :start], room), start)
+        self.keys[:, :, start : start + q] = key_states
+        self.values[:, :, start : start + q] = value_states
+        self.width = start + q
+        return self.keys[:, :, : self.width], self.values[:, :, : self.width]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.width + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.width
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class BufferCache(Cache):
+    def __init__(self, config):
+        super().__init__(layers=[BufferLayer() for _ in range(config.num_hidden_layers)])
+
+
+def _room(t: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A zeroed buffer of `capacity` columns whose first columns are a copy of t."""
+    out = t.new_zeros(t.shape[0], t.shape[1], capacity, t.shape[3])
+    out[:, :, : t.shape[2]] = t
+    return out
+
+
+def empty(config) -> BufferCache:
     """A cache with no entries for a model with this config."""
-    return DynamicCache(config=config)
+    return BufferCache(config)
 
 
-def width(cache: DynamicCache) -> int:
+def width(cache: Cache) -> int:
     """Number of columns (the same for every layer and row)."""
     return cache.get_seq_length()
 
 
-def tensors(cache: DynamicCache) -> SeqKV:
-    """Every layer's (keys, values); empty caches give []."""
-    return [(layer.keys, layer.values) for layer in cache.layers if layer.is_initialized]
+def tensors(cache: Cache) -> SeqKV:
+    """Every layer's (keys, values) in use, as views; empty caches give []. Works for any
+    transformers cache whose layers expose `keys`, `values` and `get_seq_length()`."""
+    return [
+        (layer.keys[:, :, : layer.get_seq_length()], layer.values[:, :, : layer.get_seq_length()])
+        for layer in cache.layers
+        if layer.is_initialized
+    ]
 
 
-def from_tensors(config, layers: SeqKV) -> DynamicCache:
-    """A cache holding exactly these per-layer tensors (no copy)."""
-    cache = DynamicCache(config=config)
-    if layers:
-        for layer, (keys, values) in zip(cache.layers, layers, strict=True):
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
+def from_tensors(config, layers: SeqKV, room: bool = False) -> BufferCache:
+    """A cache holding these per-layer tensors: as they are, or copied into buffers with
+    `RESERVE` spare columns (`room`)."""
+    cache = BufferCache(config)
+    for layer, (keys, values) in zip(cache.layers, layers):
+        width_ = keys.shape[2]
+        if room:
+            keys, values = _room(keys, width_ + RESERVE), _room(values, width_ + RESERVE)
+        layer.hold(keys, values, width_)
     return cache
 
 
-def gather(cache: DynamicCache, rows: torch.Tensor, index: torch.Tensor, full_batch: bool) -> None:
-    """In place: new[b, :, j] = old[rows[b], :, index[b, j]] for every layer (one gather each).
+def crop(cache: BufferCache, n: int) -> None:
+    """Forget the last n columns (they are overwritten by the next forward)."""
+    for layer in cache.layers:
+        layer.width -= n
 
-    index [B', W]; `full_batch` says rows is arange(B) (skips the row selection).
-    """
+
+def gather(cache: BufferCache, rows: torch.Tensor, index: torch.Tensor, full_batch: bool) -> None:
+    """In place: new[b, :, j] = old[rows[b], :, index[b, j]] for every layer (one gather each,
+    written straight into a fresh buffer). index [B', W]; `full_batch`: rows is arange(B)."""
+    width_ = index.shape[1]
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
-        keys = layer.keys if full_batch else layer.keys.index_select(0, rows)
-        values = layer.values if full_batch else layer.values.index_select(0, rows)
-        idx = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
-        layer.keys = keys.gather(2, idx)
-        layer.values = values.gather(2, idx)
+        new = []
+        for old in (layer.keys, layer.values):
+            src = old[:, :, : layer.width] if full_batch else old[:, :, : layer.width].index_select(0, rows)
+            out = src.new_empty(src.shape[0], src.shape[1], width_ + RESERVE, src.shape[3])
+            idx = index[:, None, :, None].expand(-1, src.shape[1], -1, src.shape[3])
+            torch.gather(src, 2, idx, out=out[:, :, :width_])
+            new.append(out)
+        layer.hold(new[0], new[1], width_)
 
 
-def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+def select_rows(cache: BufferCache, rows: torch.Tensor) -> None:
     """In place: keep only `rows` of the batch."""
     for layer in cache.layers:
         if layer.is_initialized:
@@ -64,46 +139,48 @@ def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
             layer.values = layer.values.index_select(0, rows)
 
 
-def split(cache: DynamicCache, starts: list[int]) -> list[SeqKV]:
+def split(cache: Cache, starts: list[int]) -> list[SeqKV]:
     """Row b's entries from column starts[b] to the end, as views (no copy)."""
     layers = tensors(cache)
     return [[(k[b : b + 1, :, s:], v[b : b + 1, :, s:]) for k, v in layers] for b, s in enumerate(starts)]
 
 
-def stack(config, seqs: list[SeqKV], take: list[int]) -> DynamicCache:
+def stack(config, seqs: list[SeqKV], take: list[int]) -> BufferCache:
     """Left-padded batch cache from per-sequence entries: row b gets the first take[b] entries of
     seqs[b], right-aligned in width max(take); pad slots are zero (finite, masked out).
-
-    Sequences that all contribute the same number of entries are concatenated without padding.
-    """
+    Sequences that all contribute the same number of entries are concatenated without padding."""
     width_ = max(take) if take else 0
+    cache = BufferCache(config)
     if width_ == 0 or not seqs[0]:
-        return empty(config)
-    layers = []
-    for layer in range(len(seqs[0])):
-        parts_k = [s[layer][0][:, :, :n] for s, n in zip(seqs, take)]
-        parts_v = [s[layer][1][:, :, :n] for s, n in zip(seqs, take)]
-        layers.append((_left_pad_cat(parts_k, width_), _left_pad_cat(parts_v, width_)))
-    return from_tensors(config, layers)
+        return cache
+    for layer_idx, layer in enumerate(cache.layers):
+        k = _left_pad_cat([s[layer_idx][0][:, :, :n] for s, n in zip(seqs, take)], width_)
+        v = _left_pad_cat([s[layer_idx][1][:, :, :n] for s, n in zip(seqs, take)], width_)
+        layer.hold(k, v, width_)
+    return cache
 
 
 def _left_pad_cat(parts: list[torch.Tensor], width_: int) -> torch.Tensor:
-    """[1, H, n_b, D] pieces -> [B, H, width, D], each right-aligned."""
-    if all(p.shape[2] == width_ for p in parts):
-        return torch.cat(parts, dim=0)
+    """[1, H, n_b, D] pieces -> a buffer [B, H, width + RESERVE, D] whose first `width` columns
+    hold each piece right-aligned."""
     head = parts[0]
-    out = head.new_zeros(len(parts), head.shape[1], width_, head.shape[3])
+    out = head.new_zeros(len(parts), head.shape[1], width_ + RESERVE, head.shape[3])
+    if all(p.shape[2] == width_ for p in parts):
+        torch.cat(parts, dim=0, out=out[:, :, :width_])
+        return out
     for b, part in enumerate(parts):
         if part.shape[2]:
-            out[b, :, width_ - part.shape[2] :] = part[0]
+            out[b, :, width_ - part.shape[2] : width_] = part[0]
     return out
 
 
-def pad_columns_left(cache: DynamicCache, n: int) -> None:
+def pad_columns_left(cache: BufferCache, n: int) -> None:
     """In place: add n zero columns on the left of every layer."""
     if n <= 0:
         return
     for layer in cache.layers:
         if layer.is_initialized:
-            layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, n, 0))
-            layer.values = torch.nn.functional.pad(layer.values, (0, 0, n, 0))
+            width_ = layer.width + n
+            keys = _room(torch.nn.functional.pad(layer.keys[:, :, : layer.width], (0, 0, n, 0)), width_ + RESERVE)
+            values = _room(torch.nn.functional.pad(layer.values[:, :, : layer.width], (0, 0, n, 0)), width_ + RESERVE)
+            layer.hold(keys, values, width_)
