@@ -161,9 +161,12 @@ class SpecDecoder:
             pad_id=self.pair.pad_id,
             device=self.pair.device,
             stats=self.stats,
-            check=self._checker() if cfg.check_invariants else None,
             on_finish=lambda done: bar.update(len(done)),
         )
+        if cfg.check_invariants:
+            from .invariants import check_batch
+
+            ctx.check = partial(check_batch, models=ctx.models())
         runner = runner_for(cfg.method)
         with torch.inference_mode(), self.stats.run():
             runner(ctx, seqs, cfg)
@@ -171,14 +174,6 @@ class SpecDecoder:
         unfinished = [s.index for s in seqs if not s.finished]
         assert not unfinished, f"method {cfg.method} left sequences unfinished: {unfinished}"
         return self.stats
-
-    def _checker(self):
-        from .invariants import check_batch
-
-        models = {"target": self.pair.target}
-        if isinstance(self.proposer, DraftProposer):
-            models["draft"] = self.pair.draft
-        return partial(check_batch, models=models)
 
     def _output(self, seq: Sequence, prompt) -> GenerationOutput:
         return GenerationOutput(

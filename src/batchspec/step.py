@@ -42,16 +42,11 @@ class Context:
     on_finish: Callable[[list[Sequence]], None] = lambda seqs: None
     accept: Callable = acceptance.accept  # the acceptance rule (baselines.py plants a broken one)
 
-    @property
-    def roles(self) -> list[str]:
-        """Models that keep a cache: the target, and the draft if the proposer has one."""
-        role = getattr(self.proposer, "role", None)
-        return ["target"] + ([role] if role else [])
-
     def models(self) -> dict:
+        """Models that keep a cache, by role: the target, and the draft if the proposer has one."""
         out = {"target": self.target}
-        if "draft" in self.roles:
-            out["draft"] = self.proposer.model
+        if getattr(self.proposer, "role", None):
+            out[self.proposer.role] = self.proposer.model
         return out
 
 
