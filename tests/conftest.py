@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from batchspec import tiny_pair
+from batchspec import load_pair, tiny_pair
 
 torch.set_num_threads(int(os.environ.get("BATCHSPEC_TEST_THREADS", "2")))
 
@@ -40,3 +40,9 @@ def tiny32():
 def tiny_same():
     """Draft identical to the target: every draft is accepted."""
     return tiny_pair(dtype=torch.float64, noise=0.0)
+
+
+@pytest.fixture(scope="session")
+def default_pair():
+    """The built-in default pair (SmolLM2-135M-Instruct + shipped draft), float32, loaded once."""
+    return load_pair("default", dtype="float32")

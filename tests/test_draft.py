@@ -8,22 +8,17 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from batchspec import SamplingParams, SpecDecoder, load_pair
-from batchspec.draft import DRAFT_FILE, load_default_draft
+from batchspec import SamplingParams, SpecDecoder
+from batchspec.draft import DRAFT_FILE, SmolDraft
 
 EOS_ID = 2  # <|im_end|>
 
 
 @pytest.fixture(scope="module")
-def pair():
-    """The default pair in float32 with the shipped draft attached (loaded once per module)."""
-    try:
-        pair = load_pair("default", dtype="float32")
-    except Exception as err:  # the target comes from an installed package; skip cleanly without it
-        pytest.skip(f"default target unavailable: {err}")
-    pair.draft = load_default_draft(pair.target, torch.float32)
-    pair.draft_vocab_ids = pair.draft.vocab_ids
-    return pair
+def pair(default_pair):
+    """The default pair (float32), whose draft is the shipped one."""
+    assert isinstance(default_pair.draft, SmolDraft)
+    return default_pair
 
 
 @pytest.fixture(scope="module")
@@ -101,4 +96,28 @@ def test_spec1_with_draft_equals_reference(pair):
     spec = SpecDecoder(pair, method="spec1", k=4, proposer="draft")
     outs = spec.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
-    assert spec.stats.summary()["mean_accepted"] > 0.5  # a trained draft, not a random one
+    assert spec.stats.summary()["mean_accepted"] > 0.2  # a trained draft (an untrained one: ~0.05)
+
+
+def test_every_method_with_the_draft_equals_reference(pair):
+    prompts = ["Name three primary colours.", "Translate 'good morning' into French.", "What is 12 times 7?"]
+    params = SamplingParams(max_new_tokens=20)
+    ref = [o.token_ids for o in SpecDecoder(pair, method="reference").generate(prompts, params)]
+    for method in ("eqspec", "exspec", "ragged"):
+        outs = SpecDecoder(pair, method=method, k=3, batch_size=3, proposer="draft").generate(prompts, params)
+        assert [o.token_ids for o in outs] == ref, method
+
+
+def test_reduced_head_sampling_distribution_covers_the_full_vocabulary(pair):
+    from batchspec.proposer import DraftProposer
+
+    proposer = DraftProposer(pair.draft, pair.vocab_size, pair.draft.vocab_ids)
+    logits = torch.randn(3, len(pair.draft.vocab_ids))
+    tokens, probs = proposer._pick(logits, SamplingParams(temperature=0.8, top_p=0.95), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
+    assert probs.shape == (3, pair.vocab_size)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+    outside = torch.ones(pair.vocab_size, dtype=torch.bool)
+    outside[pair.draft.vocab_ids] = False
+    assert (probs[:, outside] == 0).all()
+    assert all(probs[b, t] > 0 for b, t in enumerate(tokens.tolist()))  # full-vocabulary ids
+    assert set(tokens.tolist()) <= set(pair.draft.vocab_ids.tolist())

@@ -156,9 +156,14 @@ def smollm2_path() -> str:
 
 
 def default_pair(dtype: torch.dtype) -> ModelPair:
-    """Built-in `default` pair: SmolLM2-135M-Instruct (GGUF, offline) and its draft."""
+    """Built-in `default` pair: SmolLM2-135M-Instruct (GGUF, offline) and the distilled draft
+    shipped in the package (draft.py: 2 layers over the target's embedding, 8192-token head)."""
+    from .draft import load_default_draft
+
     target, tokenizer = _load_gguf(smollm2_path(), dtype)
-    return _make_pair("default", target, None, tokenizer)
+    pair = _make_pair("default", target, load_default_draft(target, dtype), tokenizer)
+    pair.draft_vocab_ids = pair.draft.vocab_ids
+    return pair
 
 
 def _load_spec_pair(target: str, draft: str | None, dtype: torch.dtype) -> ModelPair:
