@@ -121,3 +121,9 @@ def test_reduced_head_sampling_distribution_covers_the_full_vocabulary(pair):
     assert (probs[:, outside] == 0).all()
     assert all(probs[b, t] > 0 for b, t in enumerate(tokens.tolist()))  # full-vocabulary ids
     assert set(tokens.tolist()) <= set(pair.draft.vocab_ids.tolist())
+
+
+def test_default_pair_proposes_with_ngram_lookup_and_keeps_the_draft(pair):
+    # The measured choice (README, "The default pair"): n-gram lookup by default, the draft on request.
+    assert SpecDecoder(pair, method="eqspec").proposer_name == "ngram"
+    assert isinstance(SpecDecoder(pair, method="eqspec", proposer="draft").proposer.model, SmolDraft)
