@@ -29,6 +29,19 @@ def test_bench_cli_reports_every_field(tmp_path, capsys):
     assert "vs spec1" in capsys.readouterr().out
 
 
+def test_bench_passes_engine_options_to_every_run(tmp_path):
+    # --min-group 1 lets EXSPEC run even a single sequence unpadded: more steps become groups.
+    out = tmp_path / "b.json"
+    base = ["bench", "--pair", "tiny", "--methods", "exspec", "--batch-sizes", "3", "--max-new-tokens", "12", "--quiet",
+            "--json", str(out), "a first prompt", "the second one, longer", "3", "four four four"]
+    assert main(base) == 0
+    default_rate = json.loads(out.read_text())["runs"][0]["group_rate"]
+    assert main(base + ["--min-group", "1", "--window-size", "3"]) == 0
+    report = json.loads(out.read_text())
+    assert report["options"]["min_group"] == 1 and report["options"]["window_size"] == 3
+    assert report["runs"][0]["group_rate"] > default_rate
+
+
 def test_generate_cli_writes_results_in_input_order(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"prompt number {i}", "x"]}) for i in range(5)))

@@ -70,25 +70,27 @@ def combos(methods: list[str], batch_sizes: list[int]) -> list[tuple[str, int]]:
     return out
 
 
-def run_one(pair, prompts, method, batch, params, k, proposer) -> dict:
-    dec = SpecDecoder(pair, EngineConfig(method=method, batch_size=batch, k=k, proposer=proposer))
+def run_one(pair, prompts, method, batch, params, k, proposer, options) -> dict:
+    dec = SpecDecoder(pair, EngineConfig(method=method, batch_size=batch, k=k, proposer=proposer, **options))
     with PeakMemory(pair.device) as mem:
         dec.generate(prompts, params)
     return dec.stats.summary() | mem.summary() | {"proposer": dec.proposer_name}
 
 
-def bench(pair, prompts, methods, batch_sizes, params: SamplingParams, k=4, proposer=None, repeats=1, progress=True) -> dict:
-    """Run everything; returns the JSON-ready report."""
+def bench(pair, prompts, methods, batch_sizes, params: SamplingParams, k=4, proposer=None, repeats=1, progress=True,
+          **options) -> dict:
+    """Run everything; returns the JSON-ready report. `options`: further EngineConfig fields
+    (window_size, min_group, kv_budget_tokens, ...) for every run."""
     runs = combos(methods, batch_sizes)
     for method, batch in tqdm(runs, desc="warm-up", disable=not progress, leave=False):
-        run_one(pair, prompts[:2], method, batch, SamplingParams(max_new_tokens=8), k, proposer)
+        run_one(pair, prompts[:2], method, batch, SamplingParams(max_new_tokens=8), k, proposer, options)
     samples: dict = {c: [] for c in runs}
     total = len(runs) * repeats
     with tqdm(total=total, desc="bench", disable=not progress, leave=False) as bar:
         for _ in range(repeats):
             for c in runs:
                 bar.set_postfix_str(f"{c[0]} b={c[1]}")
-                samples[c].append(run_one(pair, prompts, *c, params, k, proposer))
+                samples[c].append(run_one(pair, prompts, *c, params, k, proposer, options))
                 bar.update(1)
     has_draft = samples[runs[0]][0]["proposer"] == "draft" and pair.draft is not None
     context = int(statistics.mean(len(p) for p in _encoded(pair, prompts)) + params.max_new_tokens / 2)
@@ -96,7 +98,8 @@ def bench(pair, prompts, methods, batch_sizes, params: SamplingParams, k=4, prop
     report_runs = [_summarise(m, b, samples[(m, b)], costs, k, has_draft) for m, b in runs]
     _ratios(report_runs)
     return {"runs": report_runs, "costs": _json_costs(costs), "machine": machine(pair), "models": pair.describe(),
-            "k": k, "max_new_tokens": params.max_new_tokens, "n_prompts": len(prompts), "repeats": repeats}
+            "k": k, "max_new_tokens": params.max_new_tokens, "n_prompts": len(prompts), "repeats": repeats,
+            "options": {key: v for key, v in options.items() if v is not None}}
 
 
 def _encoded(pair, prompts):
@@ -151,7 +154,7 @@ def table(report: dict) -> str:
     head = (f"{'method':<9}{'B':>4}{'tok/s':>9}{'decode':>9}{'tok/step':>9}{'vs ar':>7}{'vs spec1':>9}{'SoL':>8}{'eff':>6}"
             f"{'draft':>7}{'verify':>7}{'realign':>8}{'sched':>7}{'prefill':>8}{'other':>7}")
     lines = [head, "-" * len(head)]
-    fmt = lambda x, f: "-" if x is None else format(x, f)
+    fmt = lambda x, f: format("-", f.split(".")[0]) if x is None else format(x, f)  # noqa: E731
     for r in report["runs"]:
         sh = r["time_share"]
         lines.append(
@@ -201,13 +204,13 @@ def plot(report: dict, path: str) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from .cli import comparison_inputs, write_json
+    from .cli import comparison_inputs, engine_options, write_json
     from .errors import BatchspecError
 
     if args.repeats < 1:
         raise BatchspecError(f"--repeats must be >= 1, got {args.repeats}")
     params, methods, batch_sizes, prompts, pair = comparison_inputs(args)
-    report = bench(pair, prompts, methods, batch_sizes, params, k=args.k, proposer=args.proposer, repeats=args.repeats, progress=not args.quiet)
+    report = bench(pair, prompts, methods, batch_sizes, params, repeats=args.repeats, progress=not args.quiet, **engine_options(args))
     report["command"] = "batchspec " + " ".join(sys.argv[1:])
     print(table(report))
     if args.json:

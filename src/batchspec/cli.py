@@ -122,18 +122,21 @@ def sampling_params(args) -> SamplingParams:
     )
 
 
-def engine_config(args, method: str, batch_size: int, progress: bool) -> EngineConfig:
-    return EngineConfig(
-        method=method,
+def engine_options(args) -> dict:
+    """The EngineConfig fields every method shares, from the command line (bench and verify pass
+    them to every run)."""
+    return dict(
         k=args.k,
-        batch_size=batch_size,
         proposer=args.proposer,
         window_size=args.window_size,
         min_group=args.min_group,
         kv_budget_tokens=args.kv_budget_tokens,
         check_invariants=args.check_invariants,
-        progress=progress,
     )
+
+
+def engine_config(args, method: str, batch_size: int, progress: bool) -> EngineConfig:
+    return EngineConfig(method=method, batch_size=batch_size, progress=progress, **engine_options(args))
 
 
 def load_models(args):

@@ -91,8 +91,10 @@ def compare(target, prompt_ids, references, outputs) -> tuple[dict, list[Diverge
     return metrics, divergences
 
 
-def verify(pair, prompts, methods, batch_sizes, params: SamplingParams, k=4, proposer=None, chat_template=True, progress=True) -> dict:
-    """Run the reference once, every method at every batch size, and compare (greedy only)."""
+def verify(pair, prompts, methods, batch_sizes, params: SamplingParams, k=4, proposer=None, chat_template=True, progress=True,
+           **options) -> dict:
+    """Run the reference once, every method at every batch size, and compare (greedy only).
+    `options`: further EngineConfig fields (window_size, min_group, ...) for every method."""
     if not params.greedy:
         from .errors import BatchspecError
 
@@ -104,7 +106,7 @@ def verify(pair, prompts, methods, batch_sizes, params: SamplingParams, k=4, pro
     runs = []
     combos = [(m, b) for m in methods for b in batch_sizes]
     for method, batch in tqdm(combos, desc="verify", disable=not progress, leave=False):
-        dec = SpecDecoder(pair, EngineConfig(method=method, batch_size=batch, k=k, proposer=proposer, progress=progress))
+        dec = SpecDecoder(pair, EngineConfig(method=method, batch_size=batch, k=k, proposer=proposer, progress=progress, **options))
         outs = dec.generate(prompt_ids, params)
         metrics, divs = compare(pair.target, prompt_ids, references, [o.token_ids for o in outs])
         runs.append({
@@ -134,11 +136,11 @@ def table(report: dict) -> str:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from .cli import comparison_inputs, write_json
+    from .cli import comparison_inputs, engine_options, write_json
 
     params, methods, batch_sizes, prompts, pair = comparison_inputs(args)
-    report = verify(pair, prompts, methods, batch_sizes, params, k=args.k, proposer=args.proposer,
-                    chat_template=not args.no_chat_template, progress=not args.quiet)
+    report = verify(pair, prompts, methods, batch_sizes, params, chat_template=not args.no_chat_template,
+                    progress=not args.quiet, **engine_options(args))
     print(table(report))
     for r in report["runs"]:
         shown = r["divergence_list"][:SHOW]

@@ -7,8 +7,8 @@ of row b sees slots j <= o_b + i. Rejected drafts are rolled back by not countin
 slots are overwritten next step. No unpad, no repad, no copy.
 
 Rows are kept packed in slots 0 .. n-1, so every forward works on a view of the buffers. A row
-that finishes is replaced by the last row (one row copy), and waiting sequences are admitted into
-the free slots at the end: prefilled together as a padded batch, then copied in once. EXSPEC's
+that finishes is replaced by the last row (one row copy), and waiting sequences (shortest prompt
+first) are admitted into the free slots at the end: prefilled together as a padded batch, then copied in once. EXSPEC's
 pool comes for free.
 
 The price: attention runs over slots up to the longest row for every row (masked), and the
@@ -197,7 +197,10 @@ def run(ctx: Context, seqs: list[Sequence], config) -> None:
     batch = RaggedBatch(ctx.models(), config.batch_size, slots, ctx.pad_id, ctx.device)
     bytes_per_row = sum(c.layers[0].keys[0].numel() * c.layers[0].keys.element_size() * 2 * len(c.layers) for c in batch.caches.values())
     ctx.stats.extra.update(kv_budget_tokens=slots, kv_bytes=bytes_per_row * config.batch_size)
-    waiting = deque(seqs)
+    # All requests are known up front, so admit shortest first (as static batches sort by length):
+    # rows in flight then have similar lengths, and neither prefill padding nor the attention span
+    # (up to the longest row) is wasted on a mix of short and long prompts.
+    waiting = deque(sorted(seqs, key=len))
     while waiting or len(batch):
         if waiting and batch.free:
             newcomers = [waiting.popleft() for _ in range(min(batch.free, len(waiting)))]
