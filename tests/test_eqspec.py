@@ -117,3 +117,30 @@ def test_skipped_kv_shift_is_caught(tiny64, monkeypatch):
     assert decode(tiny64, prompts, 40, method="eqspec", batch_size=8, k=4) != expected
     with pytest.raises(InvariantError):
         decode(tiny64, prompts, 40, method="eqspec", batch_size=8, k=4, check_invariants=True)
+
+
+def test_length_buckets_bound_padding():
+    from batchspec.exspec import length_buckets
+
+    assert length_buckets([]) == []
+    assert length_buckets([7]) == [1]
+    assert length_buckets([10, 10, 11, 12]) == [4]
+    assert length_buckets([1, 17, 300]) == [1, 1, 1]
+    lengths = sorted(len(p) for p in random_prompts(31, 40, 1, 200))
+    sizes = length_buckets(lengths, slack=1.25)
+    assert sum(sizes) == len(lengths)
+    first = 0
+    for n in sizes:
+        bucket = lengths[first : first + n]
+        assert n == 1 or n * bucket[-1] <= 1.25 * sum(bucket)
+        first += n
+
+
+@pytest.mark.parametrize("method", ["ar", "eqspec"])
+def test_bucketed_prefill_equals_reference(tiny64, method):
+    from batchspec.exspec import length_buckets
+
+    prompts = random_prompts(32, 7, 2, 12) + random_prompts(33, 2, 150, 200)  # two long prompts pad the rest
+    assert len(length_buckets(sorted(map(len, prompts)))) > 1
+    got = decode(tiny64, prompts, 30, method=method, batch_size=9, k=4, check_invariants=True)
+    assert got == reference_tokens(tiny64, prompts, 30)

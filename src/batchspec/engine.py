@@ -28,10 +28,14 @@ from .step import Context, decode_step, start
 def run_static(ctx: Context, seqs: list[Sequence], batch_size: int, batch_cls=PaddedBatch) -> None:
     """Static batches: prefill B sequences together, step until every row has finished (finished
     rows leave the batch at once), then take the next B. Batches are formed from prompts sorted by
-    length, so rows of a batch start with little padding; outputs keep the input order."""
+    length, and prefilled in length buckets (exspec.start_bucketed), so prefill pays little
+    padding; outputs keep the input order. The broken baselines keep their own one-shot prefill."""
+    from .exspec import start_bucketed
+
     ordered = sorted(seqs, key=len)
     for first in range(0, len(ordered), batch_size):
-        batch = start(ctx, ordered[first : first + batch_size], batch_cls)
+        rows = ordered[first : first + batch_size]
+        batch = start_bucketed(ctx, rows) if batch_cls is PaddedBatch else start(ctx, rows, batch_cls)
         while len(batch):
             decode_step(ctx, batch)
 

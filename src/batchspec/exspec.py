@@ -102,3 +102,40 @@ def _prefill(ctx: Context, store: Store, chosen: list[Sequence]) -> list[Sequenc
     with ctx.stats.stage("realign"):
         _park(store, batch)
     return [s for s in chosen if s.finished]
+
+
+def length_buckets(lengths: list[int], slack: float = 1.25) -> list[int]:
+    """Sizes of consecutive buckets of ascending `lengths` such that each bucket, left-padded to its
+    longest row, holds at most `slack` x its real tokens (a row that breaks the bound starts a new
+    bucket). sum(result) == len(lengths)."""
+    sizes: list[int] = []
+    n = tokens = 0
+    for length in lengths:
+        if n and (n + 1) * length > slack * (tokens + length):
+            sizes.append(n)
+            n = tokens = 0
+        n, tokens = n + 1, tokens + length
+    return sizes + [n] if n else sizes
+
+
+def start_bucketed(ctx: Context, seqs: list[Sequence]) -> PaddedBatch:
+    """`start` for a static batch, prefilled in length buckets (little padding: one long prompt
+    does not pad every row of the batch to its length), then stacked into one padded batch."""
+    seqs = sorted(seqs, key=len)
+    sizes = length_buckets([len(s) for s in seqs])
+    if len(sizes) == 1:
+        return start(ctx, seqs)
+    store, first = Store(ctx), 0
+    for size in sizes:
+        batch = start(ctx, seqs[first : first + size])
+        first += size
+        with ctx.stats.stage("realign"):
+            _park(store, batch)
+    live = [s for s in seqs if not s.finished]
+    if not live:
+        return batch  # empty: every row finished at its first token
+    with ctx.stats.stage("realign"):
+        batch = store.stack(live)
+    if ctx.check is not None:
+        ctx.check(batch)
+    return batch
