@@ -2,10 +2,10 @@
 
 Prompt lengths come from Spec-Bench tokenised with the default pair's chat template; each step a
 row grows by (accepted + 1) tokens, accepted drawn from an acceptance histogram (by default the
-one measured for the default pair with n-gram lookup at k = 4, see docs/benchmarks.md); rows stop after --max-new-tokens. We
-report the group rate (decode steps run as one same-length group / all decode steps) and the mean
-batch occupancy for several scheduler policies. The engine computes the same group rate in its
-stats (`group_rate`), so a real run can confirm any row of this table.
+one measured for the default pair with n-gram lookup at k = 4, see docs/benchmarks.md); rows stop
+after --max-new-tokens. We report the group rate (decode steps run as one same-length group / all
+decode steps) and the mean batch occupancy for several scheduler policies. The engine computes the
+same group rate in its stats (`group_rate`), so a real run can confirm any row of this table.
 
     python scripts/group_rate.py --prompts ../shared/data/spec_bench/question.jsonl
 """

@@ -13,17 +13,18 @@ import time
 import torch
 
 from batchspec import load_pair
+from batchspec.batch import column_positions, padding_mask
 from batchspec.prompts import read_prompts
 
 
 def prefill_seconds(model, rows: list[list[int]]) -> float:
     width = max(map(len, rows))
+    pad_left = torch.tensor([width - len(r) for r in rows])
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])  # [B, width], left-padded
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     start = time.perf_counter()
     with torch.inference_mode():
-        model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1, use_cache=True)
+        model(input_ids=ids, attention_mask=padding_mask(pad_left, width), position_ids=column_positions(pad_left, 0, width),
+              logits_to_keep=1, use_cache=True)
     return time.perf_counter() - start
 
 

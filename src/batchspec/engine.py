@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from .batch import PaddedBatch
 from .config import EngineConfig, SamplingParams
 from .errors import BatchspecError
+from .exspec import start_bucketed
 from .models import ModelPair, load_pair
 from .proposer import DraftProposer, NgramProposer
 from .sampling import make_generator
@@ -30,8 +31,6 @@ def run_static(ctx: Context, seqs: list[Sequence], batch_size: int, batch_cls=Pa
     rows leave the batch at once), then take the next B. Batches are formed from prompts sorted by
     length, and prefilled in length buckets (exspec.start_bucketed), so prefill pays little
     padding; outputs keep the input order. The broken baselines keep their own one-shot prefill."""
-    from .exspec import start_bucketed
-
     ordered = sorted(seqs, key=len)
     for first in range(0, len(ordered), batch_size):
         rows = ordered[first : first + batch_size]

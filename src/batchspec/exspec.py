@@ -69,7 +69,8 @@ def run(ctx: Context, seqs: list[Sequence], config) -> None:
         if decision.kind == "prefill":
             with ctx.stats.stage("realign"):
                 current = _park(store, current)
-            finished = _prefill(ctx, store, chosen)
+            _prefill(ctx, store, chosen)
+            finished = [s for s in chosen if s.finished]
         else:
             if current is None or [s.index for s in current.seqs] != list(decision.ids):
                 with ctx.stats.stage("realign"):
@@ -97,11 +98,13 @@ def _park(store: Store, batch: PaddedBatch | None) -> None:
     return None
 
 
-def _prefill(ctx: Context, store: Store, chosen: list[Sequence]) -> list[Sequence]:
+def _prefill(ctx: Context, store: Store, chosen: list[Sequence]) -> PaddedBatch:
+    """Prefill `chosen` together and park the rows that did not finish in `store`; returns the
+    batch they were prefilled in."""
     batch = start(ctx, chosen)
     with ctx.stats.stage("realign"):
         _park(store, batch)
-    return [s for s in chosen if s.finished]
+    return batch
 
 
 def length_buckets(lengths: list[int], slack: float = 1.25) -> list[int]:
@@ -127,10 +130,8 @@ def start_bucketed(ctx: Context, seqs: list[Sequence]) -> PaddedBatch:
         return start(ctx, seqs)
     store, first = Store(ctx), 0
     for size in sizes:
-        batch = start(ctx, seqs[first : first + size])
+        batch = _prefill(ctx, store, seqs[first : first + size])
         first += size
-        with ctx.stats.stage("realign"):
-            _park(store, batch)
     live = [s for s in seqs if not s.finished]
     if not live:
         return batch  # empty: every row finished at its first token

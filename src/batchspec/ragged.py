@@ -8,8 +8,8 @@ slots are overwritten next step. No unpad, no repad, no copy.
 
 Rows are kept packed in slots 0 .. n-1, so every forward works on a view of the buffers. A row
 that finishes is replaced by the last row (one row copy), and waiting sequences (shortest prompt
-first) are admitted into the free slots at the end: prefilled together as a padded batch, then copied in once. EXSPEC's
-pool comes for free.
+first) are admitted into the free slots at the end: prefilled together as a padded batch, then
+copied in once. EXSPEC's pool comes for free.
 
 The price: attention runs over slots up to the longest row for every row (masked), and the
 buffers are sized for the longest request up front (`kv_budget_tokens` slots per row).
