@@ -74,7 +74,36 @@ def build_parser() -> argparse.ArgumentParser:
                     "ar,spec1,eqspec,exspec,ragged", bench.run_cli)
     b.add_argument("--repeats", type=int, default=1, help="runs of each method, interleaved (default 1)")
     b.add_argument("--plot", metavar="OUT.png", help="write the throughput / stage plot")
+    _serve_parser(sub)
     return parser
+
+
+def _serve_parser(sub) -> None:
+    """`batchspec serve`: the OpenAI-compatible server (server.py); methods that admit rows only."""
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API with continuous batching")
+    _model_options(p)
+    g = p.add_argument_group("decoding")
+    g.add_argument("--method", choices=["ragged"], default="ragged", help="a method that admits rows (ragged)")
+    g.add_argument("-k", type=int, default=4, help="draft tokens per step (default 4)")
+    g.add_argument("--no-spec", action="store_true", help="plain decoding (k = 0) in the same engine")
+    g.add_argument("--proposer", choices=list(PROPOSERS), help="draft model or n-gram lookup (default: the pair's)")
+    g.add_argument("--batch-size", type=int, default=8, help="rows decoded together (default 8)")
+    g.add_argument("--kv-budget", type=int, dest="kv_budget_tokens",
+                   help="KV slots per row: prompt + max_tokens + k + 1 must fit (default: min(context, 2048))")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--max-queue", type=int, default=256, help="requests waiting for a row before 429 (default 256)")
+    g.add_argument("--served-model-name", help="the model name clients use (default: the pair's name)")
+    g.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests may take to finish before they are cancelled")
+
+    def run(args) -> int:
+        from .server import run_cli
+
+        return run_cli(args)
+
+    p.set_defaults(run=run)
 
 
 def _comparison(sub, name: str, help: str, methods: str, run) -> argparse.ArgumentParser:

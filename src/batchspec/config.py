@@ -37,6 +37,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     seed: int | None = None
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()  # stop strings: the text ends right before the first one generated
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
@@ -51,6 +52,10 @@ class SamplingParams:
             raise BatchspecError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise BatchspecError(f"seed must be an integer or None, got {self.seed!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise BatchspecError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
 
     @property
     def greedy(self) -> bool:

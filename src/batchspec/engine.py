@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from .batch import PaddedBatch
 from .config import EngineConfig, SamplingParams
+from .detok import StopStrings
 from .errors import BatchspecError
 from .exspec import start_bucketed
 from .models import ModelPair, load_pair
@@ -116,8 +117,6 @@ class SpecDecoder:
         per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise BatchspecError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        if len({(p.temperature, p.top_p, p.top_k) for p in per_prompt}) > 1:
-            raise BatchspecError("all prompts of one generate call must share temperature, top_p and top_k")
         seqs = []
         context = self.pair.context_len
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
@@ -134,6 +133,7 @@ class SpecDecoder:
                     max_len=min(len(ids) + p.max_new_tokens, context),
                     eos_ids=frozenset() if p.ignore_eos else self.pair.eos_ids,
                     generator=None if p.greedy else make_generator(p.seed),
+                    params=p,
                 )
             )
         return seqs
@@ -148,23 +148,25 @@ class SpecDecoder:
         """Decode every prompt (text, or a list of token ids); outputs come back in input order."""
         params = params if params is not None else SamplingParams()
         seqs = self.make_sequences(prompts, params, chat_template)
-        self.run(seqs, params if isinstance(params, SamplingParams) else params[0])
-        return [self._output(seq, prompts[seq.index]) for seq in seqs]
+        texts = StopStrings(self.pair.decode, seqs)
+        self.run(seqs, observe=texts.observe if texts.active else None)
+        return [self._output(seq, prompts[seq.index], texts.text(seq)) for seq in seqs]
 
-    def run(self, seqs: list[Sequence], params: SamplingParams) -> Stats:
-        """Run the configured method over prepared sequences (in place); returns the stats."""
+    def run(self, seqs: list[Sequence], observe=None) -> Stats:
+        """Run the configured method over prepared sequences (in place), each with its own
+        SamplingParams; `observe` is the output processor (step.Context). Returns the stats."""
         cfg = self.config
         self.stats = Stats(device=str(self.pair.device))
         bar = tqdm(total=len(seqs), desc=cfg.method, unit="seq", disable=not cfg.progress, leave=False)
         ctx = Context(
             target=self.pair.target,
             proposer=self.proposer,
-            params=params,
             k=cfg.k if cfg.speculative else 0,
             pad_id=self.pair.pad_id,
             device=self.pair.device,
             stats=self.stats,
             on_finish=lambda done: bar.update(len(done)),
+            observe=observe,
         )
         if cfg.check_invariants:
             from .invariants import check_batch
@@ -178,13 +180,13 @@ class SpecDecoder:
         assert not unfinished, f"method {cfg.method} left sequences unfinished: {unfinished}"
         return self.stats
 
-    def _output(self, seq: Sequence, prompt) -> GenerationOutput:
+    def _output(self, seq: Sequence, prompt, text: str | None) -> GenerationOutput:
         return GenerationOutput(
             index=seq.index,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=list(seq.prompt_ids),
             token_ids=seq.generated,
-            text=self.pair.decode(seq.generated),
+            text=self.pair.decode(seq.generated) if text is None else text,
             finish_reason=seq.finish_reason,
             accepted_per_step=list(seq.accepted_per_step),
         )

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SamplingParams
-from .sampling import probabilities, sample
+from .sampling import RowParams, probabilities, sample
 from .verifier import forward
 
 
@@ -37,7 +36,7 @@ class DraftProposer:
         self.vocab_size = vocab_size  # the target's vocabulary (size of draft_probs' last dim)
         self.vocab_ids = vocab_ids  # [V_head] head index -> full id, or None for a full head
 
-    def propose(self, batch, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, batch, k: int, params: RowParams, uniforms: torch.Tensor | None) -> Proposal:
         """k tokens per row with k forwards: the pending tokens first, then each new draft but the
         last (whose KV is never needed unless all k are accepted; see realign.py's lag)."""
         ids = batch.pending(self.role)
@@ -53,7 +52,7 @@ class DraftProposer:
         draft_probs = None if params.greedy else torch.stack(probs, dim=1)
         return Proposal(torch.stack(drafts, dim=1), draft_probs)
 
-    def _pick(self, logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None):
+    def _pick(self, logits: torch.Tensor, params: RowParams, u: torch.Tensor | None):
         """logits [B, V_head] -> (full ids [B], full-vocabulary probs [B, V] or None)."""
         if params.greedy:
             idx = logits.argmax(dim=-1)
@@ -80,7 +79,7 @@ class NgramProposer:
         self.vocab_size = vocab_size
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, batch, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, batch, k: int, params: RowParams, uniforms: torch.Tensor | None) -> Proposal:
         rows = [lookup(s.token_ids, k, self.max_n, self.min_n) for s in batch.seqs]
         device = batch.device
         counts = torch.tensor([len(r) for r in rows], device=device)

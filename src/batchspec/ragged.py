@@ -17,8 +17,6 @@ buffers are sized for the longest request up front (`kv_budget_tokens` slots per
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -26,7 +24,8 @@ from . import kv
 from .batch import PaddedBatch
 from .errors import BatchspecError
 from .sequence import Sequence
-from .step import Context, decode_step, start
+from .loop import Loop
+from .step import Context
 
 
 class SlotLayer(CacheLayerMixin):
@@ -136,11 +135,16 @@ class RaggedBatch:
 
     def realign(self) -> list[Sequence]:
         """No realignment: count the entries that hold committed tokens, then retire finished
-        rows by moving the last row into their slot."""
+        rows."""
         n = len(self.seqs)
         lengths = self._lengths()
         for role in self.caches:
             self.counts[role][:n] = torch.minimum(self.heads[role][:n], lengths - 1)
+        return self.retire()
+
+    def retire(self) -> list[Sequence]:
+        """Remove finished rows (also between steps: cancelled ones) by moving the last row into
+        their slot; their slots are free at once. Returns the removed sequences."""
         finished = [s for s in self.seqs if s.finished]
         for row in sorted((i for i, s in enumerate(self.seqs) if s.finished), reverse=True):
             last = len(self.seqs) - 1
@@ -152,6 +156,10 @@ class RaggedBatch:
             self.seqs.pop()
         return finished
 
+    def slots_in_use(self) -> int:
+        """Target KV entries held by the running rows (the metric), summed over rows."""
+        return int(self.counts["target"][: len(self.seqs)].sum())
+
     def admit(self, batch: PaddedBatch) -> None:
         """Take over the rows of a prefilled padded batch (their real entries, copied once)."""
         starts = batch.pad_left.tolist()
@@ -160,6 +168,13 @@ class RaggedBatch:
                 self.caches[role].install(len(self.seqs) + i, entries)
                 self.counts[role][len(self.seqs) + i] = entries[0][0].shape[2] if entries else 0
         self.seqs.extend(batch.seqs)
+
+    def bytes_per_row(self) -> int:
+        """KV buffer bytes one row holds, all roles and layers, keys and values."""
+        return sum(
+            c.layers[0].keys[0].numel() * c.layers[0].keys.element_size() * 2 * len(c.layers)
+            for c in self.caches.values()
+        )
 
     # --- introspection for the invariant checker --------------------------------------------
     def cached_counts(self, role: str) -> list[int]:
@@ -192,26 +207,15 @@ def kv_budget(seqs: list[Sequence], k: int, budget: int | None) -> int:
 
 
 def run(ctx: Context, seqs: list[Sequence], config) -> None:
-    """Decode `seqs` in place: continuous admission into a ragged batch of `batch_size` rows."""
+    """Decode `seqs` in place: continuous admission into a ragged batch of `batch_size` rows, as a
+    client of the engine loop (loop.py) that the server runs too."""
     slots = kv_budget(seqs, ctx.k, config.kv_budget_tokens)
     batch = RaggedBatch(ctx.models(), config.batch_size, slots, ctx.pad_id, ctx.device)
-    bytes_per_row = sum(c.layers[0].keys[0].numel() * c.layers[0].keys.element_size() * 2 * len(c.layers) for c in batch.caches.values())
-    ctx.stats.extra.update(kv_budget_tokens=slots, kv_bytes=bytes_per_row * config.batch_size)
+    ctx.stats.extra.update(kv_budget_tokens=slots, kv_bytes=batch.bytes_per_row() * config.batch_size)
+    loop = Loop(ctx, batch)
     # All requests are known up front, so admit shortest first (as static batches sort by length):
     # rows in flight then have similar lengths, and neither prefill padding nor the attention span
     # (up to the longest row) is wasted on a mix of short and long prompts.
-    waiting = deque(sorted(seqs, key=len))
-    while waiting or len(batch):
-        if waiting and batch.free:
-            newcomers = [waiting.popleft() for _ in range(min(batch.free, len(waiting)))]
-            _admit(ctx, batch, newcomers)
-            continue
-        decode_step(ctx, batch)
-
-
-def _admit(ctx: Context, batch: RaggedBatch, newcomers: list[Sequence]) -> None:
-    """Prefill newcomers together (shortest first, as one padded batch) and move them in."""
-    padded = start(ctx, sorted(newcomers, key=len))
-    if len(padded):
-        with ctx.stats.stage("schedule"):
-            batch.admit(padded)
+    for seq in sorted(seqs, key=len):
+        loop.add(seq)
+    loop.run()

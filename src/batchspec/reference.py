@@ -17,8 +17,10 @@ from .step import Context
 
 
 @torch.inference_mode()
-def generate_one(target, seq: Sequence, params) -> None:
-    """Decode `seq` to completion in place."""
+def generate_one(target, seq: Sequence, observe=None) -> None:
+    """Decode `seq` to completion in place, with its own SamplingParams; `observe([seq])` after
+    each token (the output processor: stop strings)."""
+    params = seq.params
     cache = DynamicCache(config=target.config)
     ids = torch.tensor([seq.token_ids], device=target.device)
     while True:
@@ -29,6 +31,8 @@ def generate_one(target, seq: Sequence, params) -> None:
             u = torch.rand(1, generator=seq.generator, dtype=torch.float64)
             token = int(sample(probabilities(logits, params), u))
         seq.commit([token])
+        if observe is not None:
+            observe([seq])
         if seq.finished:
             return
         ids = torch.tensor([[token]], device=target.device)
@@ -38,7 +42,7 @@ def run(ctx: Context, seqs: list[Sequence], config) -> None:
     """Method `reference`: every sequence alone (the batch size is ignored)."""
     for seq in seqs:
         with ctx.stats.stage("verify"):
-            generate_one(ctx.target, seq, ctx.params)
+            generate_one(ctx.target, seq, ctx.observe)
         ctx.stats.tokens += len(seq.generated)
         ctx.stats.step_tokens += len(seq.generated) - 1
         ctx.stats.row_steps += len(seq.generated) - 1

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .config import SamplingParams
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -29,10 +31,14 @@ class Sequence:
     max_len: int  # hard cap on len(token_ids): min(prompt + max_new_tokens, context)
     eos_ids: frozenset[int]
     generator: torch.Generator | None = None  # per-request randomness (sampling only)
+    params: SamplingParams = field(default_factory=SamplingParams)  # this row's sampling
     token_ids: list[int] = field(init=False)
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" (EOS) or "length"
+    finish_reason: str | None = None  # "stop" (EOS, stop string), "length" or "abort" (cancelled)
     accepted_per_step: list[int] = field(default_factory=list)  # draft tokens kept, per spec step
+    proposed_drafts: int = 0  # draft tokens offered to this row, all steps together
+    cancelled: bool = False  # set by any thread; the engine retires the row before its next step
+    output_len: int | None = None  # set when a stop string cuts the output short of token_ids
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -46,7 +52,7 @@ class Sequence:
 
     @property
     def generated(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
+        return self.token_ids[self.prompt_len : self.output_len]
 
     @property
     def finished(self) -> bool:
@@ -73,6 +79,14 @@ class Sequence:
         if num_accepted is not None:
             self.accepted_per_step.append(min(num_accepted, kept))
         return kept
+
+    def finish(self, reason: str, generated: int | None = None) -> None:
+        """Stop the sequence (a stop string, a cancellation); the engine retires its row.
+        `generated`: keep only that many generated tokens in the output (a stop string ended
+        there); the rest of the step stays in `token_ids`, which the batch layout has counted."""
+        if generated is not None:
+            self.output_len = self.prompt_len + generated
+        self._finish(reason)
 
     def _finish(self, reason: str) -> None:
         self.status = Status.FINISHED

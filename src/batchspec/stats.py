@@ -26,6 +26,7 @@ class Stats:
     row_steps: int = 0  # (row, step) pairs: one per row per decode step
     steps: int = 0  # forward steps of the whole batch
     accepted_hist: Counter = field(default_factory=Counter)
+    proposed_drafts: int = 0  # draft tokens offered to rows (accepted ones: accepted_hist)
     extra: dict = field(default_factory=dict)  # method-specific (e.g. EXSPEC's group_rate)
 
     def _now(self) -> float:

@@ -5,9 +5,15 @@ A layout (`PaddedBatch`, `RaggedBatch`) provides `seqs`, `pending(role)`, `input
 `realign()`; the step does not know how rows are stored. `k = 0` (no proposer) is plain
 autoregressive decoding: the target's bonus token only.
 
-Randomness: each row draws 2k+1 uniforms per step from its own generator (k for the draft's
-samples, k for the acceptance tests, 1 for the recovered/bonus token) and 1 at prefill, so a row's
-tokens depend on its seed alone, not on the batch it runs in.
+Sampling parameters are per row (each Sequence's SamplingParams, stacked into `RowParams` every
+step): a batch may mix greedy and sampled rows. An all-greedy batch takes the argmax path; in a
+mixed batch greedy rows get one-hot distributions, for which rejection sampling is greedy
+acceptance. Randomness: each sampled row draws 2k+1 uniforms per step from its own generator (k
+for the draft's samples, k for the acceptance tests, 1 for the recovered/bonus token) and 1 at
+prefill, so a row's tokens depend on its seed alone, not on the batch it runs in.
+
+`Context.observe` sees every row right after its tokens are committed and before the batch
+retires finished rows: the output processor (stop strings, streaming) finishes rows there.
 """
 
 from __future__ import annotations
@@ -19,9 +25,8 @@ import torch
 
 from . import acceptance, kv
 from .batch import PaddedBatch
-from .config import SamplingParams
 from .proposer import Proposal
-from .sampling import draw_uniforms, probabilities, sample
+from .sampling import RowParams, draw_uniforms, probabilities, sample
 from .sequence import Sequence, Status
 from .stats import Stats
 from .verifier import forward, verify
@@ -33,13 +38,13 @@ class Context:
 
     target: torch.nn.Module
     proposer: object | None  # DraftProposer | NgramProposer | None
-    params: SamplingParams
     k: int  # draft tokens per step; 0 for plain decoding
     pad_id: int
     device: torch.device
     stats: Stats = field(default_factory=Stats)
     check: Callable | None = None  # invariant checker, called on the batch after each step
     on_finish: Callable[[list[Sequence]], None] = lambda seqs: None
+    observe: Callable[[list[Sequence]], None] | None = None  # after commit, before retirement
     accept: Callable = acceptance.accept  # the acceptance rule (baselines.py plants a broken one)
 
     def models(self) -> dict:
@@ -70,10 +75,12 @@ def prefill(ctx: Context, batch) -> list[Sequence]:
             ids = batch.pending(role)
             logits = forward(model, ids, batch.inputs(role, ids.shape[1]), last_only=True)[:, -1]
             if role == "target":
-                first = _pick(logits, ctx.params, batch.seqs)
+                first = _pick(logits, batch.seqs)
         for seq, token in zip(batch.seqs, first.tolist()):
             seq.commit([token])
         ctx.stats.tokens += len(batch.seqs)
+        if ctx.observe is not None:
+            ctx.observe(batch.seqs)
         finished = batch.realign()
     _after(ctx, batch, finished)
     return finished
@@ -81,10 +88,11 @@ def prefill(ctx: Context, batch) -> list[Sequence]:
 
 def decode_step(ctx: Context, batch) -> list[Sequence]:
     """One speculative (or, with k = 0, plain) step for every row. Returns the finished rows."""
-    k, params, stats = ctx.k, ctx.params, ctx.stats
+    k, stats = ctx.k, ctx.stats
+    params = RowParams.of([s.params for s in batch.seqs], ctx.device)
     u = None if params.greedy else draw_uniforms([s.generator for s in batch.seqs], 2 * k + 1)
     with stats.stage("draft"):
-        proposal = _propose(ctx, batch, u)
+        proposal = _propose(ctx, batch, params, u)
     drafts, limit = proposal.drafts, proposal.num_proposed
     with stats.stage("verify"):
         logits = verify(ctx.target, batch, drafts)
@@ -100,6 +108,12 @@ def decode_step(ctx: Context, batch) -> list[Sequence]:
         rows, accepted = outcome.rows(), outcome.num_accepted.tolist()
         kept = [seq.commit(row, a) for seq, row, a in zip(batch.seqs, rows, accepted)]
         stats.record_step(kept, [seq.accepted_per_step[-1] for seq in batch.seqs])
+        offered = [k_eff] * len(batch.seqs) if limit is None else limit.tolist()
+        for seq, n in zip(batch.seqs, offered):
+            seq.proposed_drafts += n
+        stats.proposed_drafts += sum(offered)
+    if ctx.observe is not None:
+        ctx.observe(batch.seqs)
     with stats.stage("realign"):
         finished = batch.realign()
     _after(ctx, batch, finished)
@@ -113,13 +127,13 @@ def _after(ctx: Context, batch, finished: list[Sequence]) -> None:
         ctx.on_finish(finished)
 
 
-def _propose(ctx: Context, batch, u: torch.Tensor | None) -> Proposal:
+def _propose(ctx: Context, batch, params: RowParams, u: torch.Tensor | None) -> Proposal:
     n = len(batch.seqs)
     if ctx.k == 0 or ctx.proposer is None:
         empty = torch.zeros(n, 0, dtype=torch.long, device=ctx.device)
-        probs = None if ctx.params.greedy else torch.zeros(n, 0, ctx.target.config.vocab_size, device=ctx.device)
+        probs = None if params.greedy else torch.zeros(n, 0, ctx.target.config.vocab_size, device=ctx.device)
         return Proposal(empty, probs)
-    proposal = ctx.proposer.propose(batch, ctx.k, ctx.params, None if u is None else u[:, : ctx.k])
+    proposal = ctx.proposer.propose(batch, ctx.k, params, None if u is None else u[:, : ctx.k])
     if proposal.num_proposed is not None:  # drop columns no row uses; each row is unaffected
         k_eff = int(proposal.num_proposed.max())
         probs = proposal.draft_probs
@@ -127,8 +141,10 @@ def _propose(ctx: Context, batch, u: torch.Tensor | None) -> Proposal:
     return proposal
 
 
-def _pick(logits: torch.Tensor, params: SamplingParams, seqs: list[Sequence]) -> torch.Tensor:
-    """logits [B, V] -> one token per row: argmax, or a sample with one uniform per row."""
+def _pick(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits [B, V] -> one token per row: argmax for greedy rows, else a sample with one uniform
+    per sampled row."""
+    params = RowParams.of([s.params for s in seqs], logits.device)
     if params.greedy:
         return logits.argmax(dim=-1)
     u = draw_uniforms([s.generator for s in seqs], 1)[:, 0]

@@ -1,0 +1,50 @@
+"""/metrics: the online engine's counters in Prometheus' text format, read at scrape time.
+
+A custom collector (no global registry, no metric objects updated from the engine thread): the
+engine keeps plain totals (online.Counters, step.Stats) and this module only reads them.
+"""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class EngineCollector:
+    """Yields the server's metrics from a server.Service (engine counters and refusals)."""
+
+    def __init__(self, service):
+        self.service = service
+
+    def collect(self):
+        engine = self.service.engine
+        counters, stats = engine.counters, engine.ctx.stats
+        requests = CounterMetricFamily(
+            "batchspec_requests", "Requests by outcome (stop, length, abort, error; refused: invalid, queue_full)",
+            labels=["outcome"],
+        )
+        for outcome, n in sorted({**counters.outcomes, **self.service.rejected}.items()):
+            requests.add_metric([outcome], n)
+        yield requests
+        yield _counter("batchspec_prompt_tokens", "Prompt tokens of admitted requests", counters.prompt_tokens)
+        yield _counter("batchspec_generation_tokens", "Generated tokens handed to requests", counters.generated_tokens)
+        yield _counter("batchspec_draft_tokens_proposed", "Draft tokens proposed", stats.proposed_drafts)
+        yield _counter("batchspec_draft_tokens_accepted", "Draft tokens accepted", _accepted(stats))
+        yield _counter("batchspec_decode_steps", "Decode steps of the whole batch", stats.steps)
+        mean = stats.step_tokens / stats.row_steps if stats.row_steps else 0.0
+        yield _gauge("batchspec_mean_tokens_per_step", "Tokens per row per decode step, mean since start", mean)
+        yield _gauge("batchspec_queue_length", "Requests waiting for a row", counters.queue_length)
+        yield _gauge("batchspec_running_rows", "Rows decoding", counters.running)
+        yield _gauge("batchspec_kv_slots_used", "Target KV slots holding entries of running rows", counters.kv_slots_used)
+        yield _gauge("batchspec_kv_slots_total", "Target KV slots (rows x slots per row)", engine.capacity * engine.slots)
+
+
+def _accepted(stats) -> int:
+    return sum(n * count for n, count in stats.accepted_hist.items())
+
+
+def _counter(name: str, doc: str, value) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)

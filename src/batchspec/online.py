@@ -1,0 +1,198 @@
+"""The online engine: one thread owns the models and runs the engine loop (loop.py); requests
+enter a thread-safe inbox at any time and get their output through a callback.
+
+Each iteration takes new requests from the inbox, then `Loop.iterate` (drop cancelled rows, admit
+waiting requests into free rows of a ragged batch, one decode step). The output processor
+(`Context.observe`, here `_observe`) runs in the engine thread right after each commit: it
+detokenises each request's new tokens, cuts stop strings (finishing the row, so the same step
+retires it) and hands the request a `Chunk`. It never blocks: `emit` must only enqueue.
+
+Faults: an exception in one request's output processing fails that request only; an exception in
+a batched step fails the rows of that step (the batch's caches are then rebuilt) and the engine
+keeps serving. `shutdown` stops admission, cancels what is left and joins the thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .detok import TextOutput
+from .errors import BatchspecError
+from .loop import Loop
+from .ragged import RaggedBatch
+from .sequence import Sequence
+from .step import Context
+
+
+class QueueFull(BatchspecError):
+    """The waiting queue holds --max-queue requests."""
+
+
+class ShuttingDown(BatchspecError):
+    """The engine no longer admits requests."""
+
+
+@dataclass
+class Chunk:
+    """New output of one request: text and the tokens it came from; `finish_reason` on the last."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    seq: Sequence
+    emit: Callable[[Chunk], None]  # called from the engine thread; must not block
+    output: TextOutput | None = None  # set by the engine (it knows the tokenizer)
+
+
+@dataclass
+class Counters:
+    """Totals for /metrics (written by the engine thread, read by any)."""
+
+    outcomes: dict = field(default_factory=dict)  # finish reason -> requests
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    queue_length: int = 0
+    running: int = 0
+    kv_slots_used: int = 0
+
+
+class OnlineEngine:
+    """Serves requests on a ragged batch of `capacity` rows with `slots` KV slots per row."""
+
+    def __init__(self, ctx: Context, capacity: int, slots: int, decode, max_queue: int = 256):
+        self.ctx, self.capacity, self.slots, self.decode = ctx, capacity, slots, decode
+        self.max_queue = max_queue
+        ctx.observe = self._observe
+        self.loop = Loop(ctx, self._new_batch())
+        self.requests: dict[int, Request] = {}  # id(seq) -> request, engine thread only
+        self.inbox: queue.Queue[Request] = queue.Queue()
+        self.lock = threading.Lock()
+        self.queued = 0  # inbox + waiting; guarded by `lock`
+        self.stopping = False
+        self.counters = Counters()
+        self.thread = threading.Thread(target=self._main, name="batchspec-engine", daemon=True)
+
+    def _new_batch(self) -> RaggedBatch:
+        return RaggedBatch(self.ctx.models(), self.capacity, self.slots, self.ctx.pad_id, self.ctx.device)
+
+    def start(self) -> "OnlineEngine":
+        self.thread.start()
+        return self
+
+    def submit(self, request: Request) -> None:
+        """Queue a request (any thread). Raises QueueFull or ShuttingDown at once."""
+        with self.lock:
+            if self.stopping:
+                raise ShuttingDown("the server is shutting down")
+            if self.queued >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting); retry later")
+            self.queued += 1
+            self.inbox.put(request)
+
+    def cancel(self, request: Request) -> None:
+        """Cancel a request (any thread); its row leaves the batch before the next step."""
+        request.seq.cancelled = True
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop admitting, cancel queued and running requests, and join the engine thread."""
+        with self.lock:
+            self.stopping = True
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    # --- the engine thread --------------------------------------------------------------------
+    def _main(self) -> None:
+        torch.set_grad_enabled(False)
+        with torch.inference_mode():
+            while not self._stopped():
+                self._take_inbox(block=not self.loop.busy)
+                try:
+                    finished = self.loop.iterate()
+                except Exception as err:  # a batched step failed: fail its rows, keep serving
+                    traceback.print_exc()
+                    self._fail_batch(err)
+                    finished = []
+                for seq in finished:
+                    self._retire(seq)
+                self._update_gauges()
+
+    def _stopped(self) -> bool:
+        """When stopping: cancel everything still queued or running; stop once nothing is left."""
+        with self.lock:
+            stopping = self.stopping
+        if stopping:
+            self._take_inbox(block=False)
+            for seq in list(self.loop.waiting) + list(self.loop.batch.seqs):
+                seq.cancelled = True
+        return stopping and not self.loop.busy
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            while True:
+                request = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+                block = False
+                request.output = TextOutput(self.decode, request.seq.params.stop)
+                self.requests[id(request.seq)] = request
+                self.counters.prompt_tokens += request.seq.prompt_len
+                self.loop.add(request.seq)
+        except queue.Empty:
+            pass
+
+    def _observe(self, seqs: list[Sequence]) -> None:
+        """Output processor: each request's new tokens -> text chunk; stop strings finish rows."""
+        for seq in seqs:
+            request = self.requests.get(id(seq))
+            if request is None or seq.cancelled:
+                continue
+            try:
+                request.emit(self._chunk(seq, request.output))
+            except Exception as err:  # this request only
+                traceback.print_exc()
+                seq.finish("error")
+                request.emit(Chunk("", [], "error", f"{type(err).__name__}: {err}"))
+
+    def _chunk(self, seq: Sequence, out: TextOutput) -> Chunk:
+        before = out.num_tokens
+        if out.feed(seq.token_ids[seq.prompt_len + before :]):
+            seq.finish("stop", generated=out.num_tokens)
+        elif seq.finished:
+            out.finish()
+        tokens = seq.token_ids[seq.prompt_len + before : seq.prompt_len + out.num_tokens]
+        self.counters.generated_tokens += len(tokens)
+        return Chunk(out.take(final=seq.finished), tokens, seq.finish_reason if seq.finished else None)
+
+    def _retire(self, seq: Sequence) -> None:
+        request = self.requests.pop(id(seq), None)
+        reason = seq.finish_reason or "abort"
+        self.counters.outcomes[reason] = self.counters.outcomes.get(reason, 0) + 1
+        if request is not None and reason == "abort":
+            request.emit(Chunk("", [], "abort"))
+
+    def _fail_batch(self, err: Exception) -> None:
+        """A step (or a prefill) raised: every request not waiting fails ("error"); the batch
+        starts afresh."""
+        waiting = {id(s) for s in self.loop.waiting}
+        for key in [key for key in self.requests if key not in waiting]:
+            request = self.requests.pop(key)
+            request.seq.finish("error")
+            self.counters.outcomes["error"] = self.counters.outcomes.get("error", 0) + 1
+            request.emit(Chunk("", [], "error", f"{type(err).__name__}: {err}"))
+        self.loop.batch = self._new_batch()
+
+    def _update_gauges(self) -> None:
+        with self.lock:
+            self.queued = self.inbox.qsize() + len(self.loop.waiting)
+            self.counters.queue_length = self.queued
+        self.counters.running = len(self.loop.batch)
+        self.counters.kv_slots_used = self.loop.batch.slots_in_use()

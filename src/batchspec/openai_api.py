@@ -1,0 +1,170 @@
+"""The OpenAI wire format, as pure functions: request bodies -> validated `Job`s, engine output ->
+response bodies and stream chunks. No HTTP and no engine here (server.py joins them).
+
+Validation names the offending field (`BadRequest.param`) and says what was expected, so a
+client gets OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`.
+Extensions: `top_k` in requests; `"batchspec": {"token_ids", "steps", "accepted_drafts",
+"proposed_drafts"}` in responses (per chunk: the chunk's `token_ids`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from .config import SamplingParams
+from .errors import BatchspecError
+
+
+class BadRequest(BatchspecError):
+    """A request the server refuses (status 400 unless told otherwise)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class Job:
+    """One validated request. `prompt` is text or token ids (completions) or messages (chat)."""
+
+    chat: bool
+    prompt: object
+    max_tokens: int | None  # None: the endpoint's default (see server.py)
+    params: SamplingParams  # max_new_tokens filled in by the server once the prompt is encoded
+    stream: bool
+    include_usage: bool
+    model: str | None
+
+
+def _get(body: dict, name: str, kinds: tuple, default=None, what: str = ""):
+    """body[name] if present and not null, checked against `kinds` (bool is never a number)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    numeric = int in kinds or float in kinds
+    if not isinstance(value, kinds) or (numeric and isinstance(value, bool) and bool not in kinds):
+        raise BadRequest(f"'{name}' must be {what or ' or '.join(k.__name__ for k in kinds)}, got {value!r}", name)
+    return value
+
+
+def parse_job(body, chat: bool) -> Job:
+    """Validate a /v1/completions (chat=False) or /v1/chat/completions body."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    prompt = _parse_messages(body) if chat else _parse_prompt(body)
+    n = _get(body, "n", (int,), 1, "an integer")
+    if n != 1:
+        raise BadRequest(f"'n' must be 1 (one choice per request is served), got {n}", "n")
+    max_tokens = _get(body, "max_completion_tokens" if chat and "max_tokens" not in body else "max_tokens", (int,),
+                      None, "an integer >= 1")
+    if max_tokens is not None and max_tokens < 1:
+        raise BadRequest(f"'max_tokens' must be an integer >= 1, got {max_tokens}", "max_tokens")
+    params = _parse_sampling(body)
+    stream = _get(body, "stream", (bool,), False, "a boolean")
+    options = _get(body, "stream_options", (dict,), {}, "an object")
+    include_usage = _get(options, "include_usage", (bool,), False, "a boolean")
+    model = _get(body, "model", (str,), None, "a string")
+    return Job(chat, prompt, max_tokens, params, stream, include_usage, model)
+
+
+def _parse_sampling(body: dict) -> SamplingParams:
+    temperature = _get(body, "temperature", (int, float), 1.0, "a number in [0, 2]")
+    if not 0 <= temperature <= 2:
+        raise BadRequest(f"'temperature' must be in [0, 2], got {temperature}", "temperature")
+    top_p = _get(body, "top_p", (int, float), 1.0, "a number in (0, 1]")
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
+    top_k = _get(body, "top_k", (int,), 0, "an integer (0 or -1: off)")
+    if top_k < -1:
+        raise BadRequest(f"'top_k' must be >= -1 (0 or -1: off), got {top_k}", "top_k")
+    seed = _get(body, "seed", (int,), None, "an integer")
+    stop = _get(body, "stop", (str, list), (), "a string or a list of strings")
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest(f"'stop' must be a non-empty string or a list of them, got {stop!r}", "stop")
+    return SamplingParams(
+        temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed, stop=tuple(stop)
+    )
+
+
+def _parse_prompt(body: dict):
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise BadRequest(f"'prompt' must be a non-empty string or a list of token ids (one prompt), got {prompt!r}",
+                     "prompt")
+
+
+def _parse_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(f"'messages' must be a non-empty list of messages, got {messages!r}", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}].role")
+        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
+    return out
+
+
+def _content(content, i: int) -> str:
+    """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise BadRequest(f"'messages[{i}].content' must be a string or a list of text parts", f"messages[{i}].content")
+
+
+# --- responses --------------------------------------------------------------------------------
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response(job: Job, rid: str, model: str, text: str, finish: str, use: dict, extension: dict) -> dict:
+    """The non-streamed body of a completion or chat completion."""
+    if job.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": use, "batchspec": extension}
+
+
+def chunk(job: Job, rid: str, model: str, text: str | None, finish: str | None, extension: dict | None = None,
+          role: bool = False) -> dict:
+    """One stream chunk carrying `text` (chat: a delta; `role` adds the assistant role)."""
+    if job.chat:
+        delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    body = {"id": rid, "object": "chat.completion.chunk" if job.chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice]}
+    if job.include_usage:
+        body["usage"] = None
+    if extension is not None:
+        body["batchspec"] = extension
+    return body
+
+
+def usage_chunk(job: Job, rid: str, model: str, use: dict, extension: dict) -> dict:
+    """The last chunk when stream_options.include_usage: no choices, the usage."""
+    return {"id": rid, "object": "chat.completion.chunk" if job.chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [], "usage": use, "batchspec": extension}

@@ -1,0 +1,264 @@
+"""`batchspec serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the online engine.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE when "stream"), GET /v1/models,
+GET /health, GET /metrics (Prometheus text). A request is validated and encoded here (errors are
+400s in OpenAI's shape, naming the field and the numbers), then queued in the engine (429 at once
+when the queue is full); its chunks come back through an asyncio queue. A streaming client that
+disconnects, or a non-streaming one that goes away, has its row cancelled (freed before the next
+step). SIGTERM: uvicorn stops accepting, lets running requests finish (up to --graceful-timeout),
+then the engine cancels what is left and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import threading
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from . import openai_api as api
+from .config import EngineConfig, SamplingParams
+from .metrics import EngineCollector
+from .online import Chunk, OnlineEngine, QueueFull, ShuttingDown
+from .online import Request as EngineRequest
+from .sampling import make_generator
+from .sequence import Sequence
+
+#: KV slots per row when --kv-budget is not given (or the model's context, if smaller).
+DEFAULT_KV_BUDGET = 2048
+
+
+class Service:
+    """What the HTTP layer needs: the engine, the pair (tokenizer, context) and limits."""
+
+    def __init__(self, engine: OnlineEngine, pair, model_name: str, tokenizer_lock: threading.Lock):
+        self.engine, self.pair, self.model_name, self.lock = engine, pair, model_name, tokenizer_lock
+        self.k, self.slots, self.context = engine.ctx.k, engine.slots, pair.context_len
+        self.rejected: dict[str, int] = {}  # outcome -> requests refused before the engine
+
+    def encode(self, job: api.Job) -> list[int]:
+        with self.lock:
+            if job.chat:
+                return chat_ids(self.pair.tokenizer, job.prompt)
+            return self.pair.encode(job.prompt, chat_template=False)
+
+    def sequence(self, job: api.Job, ids: list[int]) -> Sequence:
+        """Check the prompt against the context and the KV budget; the request's Sequence."""
+        room = self.slots - self.k - 1  # a row's slots, less the draft slots of its last step
+        n = len(ids)
+        if n >= self.context:
+            raise api.BadRequest(f"the prompt has {n} tokens, but the model's context is {self.context} tokens",
+                                 "messages" if job.chat else "prompt", code="context_length_exceeded")
+        default = min(room, self.context) - n if job.chat else 16
+        max_tokens = job.max_tokens if job.max_tokens is not None else default
+        if max_tokens < 1 or n + max_tokens > room:
+            raise api.BadRequest(
+                f"the prompt ({n} tokens) + max_tokens ({max_tokens}) + {self.k + 1} draft slots = "
+                f"{n + max_tokens + self.k + 1} exceeds the KV budget of {self.slots} slots per row",
+                "max_tokens", code="context_length_exceeded")
+        params = SamplingParams(**{**job.params.__dict__, "max_new_tokens": max_tokens})
+        return Sequence(index=0, prompt_ids=ids, max_new_tokens=max_tokens, max_len=min(n + max_tokens, self.context),
+                        eos_ids=self.pair.eos_ids, generator=None if params.greedy else make_generator(params.seed),
+                        params=params)
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Messages through the tokenizer's chat template; without one, 'role: content' lines."""
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def create_app(service: Service) -> FastAPI:
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(service))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.engine.start()
+        yield
+        await asyncio.to_thread(service.engine.shutdown)
+
+    app = FastAPI(title="batchspec", lifespan=lifespan)
+
+    @app.exception_handler(Exception)
+    async def internal(request, err):  # a fault in one request fails that request only
+        return JSONResponse(api.error_body(f"internal error: {type(err).__name__}: {err}", "server_error"), 500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "batchspec",
+                "max_model_len": service.context}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(service, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await serve(service, request, chat=True)
+
+    return app
+
+
+def _refuse(service: Service, err: api.BadRequest) -> JSONResponse:
+    kind = "rate_limit_error" if err.status == 429 else "invalid_request_error"
+    outcome = {400: "invalid", 404: "invalid", 429: "queue_full", 503: "shutting_down"}.get(err.status, "invalid")
+    service.rejected[outcome] = service.rejected.get(outcome, 0) + 1
+    return JSONResponse(api.error_body(err.message, kind, err.param, err.code), err.status)
+
+
+async def serve(service: Service, request: Request, chat: bool):
+    """Validate, queue, and answer one request (a JSON body, or an SSE stream)."""
+    try:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise api.BadRequest(f"the request body is not valid JSON: {err}") from None
+        job = api.parse_job(body, chat)
+        if job.model is not None and job.model != service.model_name:
+            raise api.BadRequest(f"the model '{job.model}' does not exist; this server serves "
+                                 f"'{service.model_name}'", "model", 404, "model_not_found")
+        seq = service.sequence(job, service.encode(job))
+        chunks: asyncio.Queue[Chunk] = asyncio.Queue()
+        handle = EngineRequest(seq, _emitter(asyncio.get_running_loop(), chunks))
+        try:
+            service.engine.submit(handle)
+        except QueueFull as err:
+            raise api.BadRequest(str(err), None, 429, "queue_full") from None
+        except ShuttingDown as err:
+            raise api.BadRequest(str(err), None, 503, "shutting_down") from None
+    except api.BadRequest as err:
+        return _refuse(service, err)
+    rid = api.new_id(chat)
+    if job.stream:
+        return StreamingResponse(_stream(service, job, handle, chunks, rid), media_type="text/event-stream")
+    return await _complete(service, job, handle, chunks, rid, request)
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, chunks: asyncio.Queue):
+    """A thread-safe, non-blocking sink for the engine thread."""
+
+    def emit(chunk: Chunk) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
+            loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+
+    return emit
+
+
+def _extension(seq: Sequence, token_ids: list[int]) -> dict:
+    steps = seq.accepted_per_step
+    return {"token_ids": token_ids, "steps": len(steps), "accepted_drafts": sum(steps),
+            "proposed_drafts": seq.proposed_drafts}
+
+
+async def _complete(service: Service, job, handle: EngineRequest, chunks: asyncio.Queue, rid: str, request: Request):
+    """Collect the whole output; cancel the row if the client goes away meanwhile."""
+    text, tokens = [], []
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                service.engine.cancel(handle)
+                return Response(status_code=499)
+            continue
+        text.append(chunk.text)
+        tokens += chunk.token_ids
+        if chunk.finish_reason is not None:
+            break
+    if chunk.finish_reason in ("error", "abort"):
+        message = chunk.error or "the request was cancelled (the server is shutting down)"
+        return JSONResponse(api.error_body(message, "server_error"), 500 if chunk.finish_reason == "error" else 503)
+    seq = handle.seq
+    use = api.usage(seq.prompt_len, len(tokens))
+    return api.response(job, rid, service.model_name, "".join(text), chunk.finish_reason, use,
+                        _extension(seq, tokens))
+
+
+async def _stream(service: Service, job, handle: EngineRequest, chunks: asyncio.Queue, rid: str):
+    """SSE: a chunk per engine chunk with text, a final one with finish_reason, usage, [DONE]."""
+    name, seq, count = service.model_name, handle.seq, 0
+    try:
+        if job.chat:
+            yield _sse(api.chunk(job, rid, name, "", None, role=True))
+        while True:
+            chunk = await chunks.get()
+            count += len(chunk.token_ids)
+            if chunk.finish_reason in ("error", "abort"):
+                message = chunk.error or "the request was cancelled (the server is shutting down)"
+                yield _sse(api.error_body(message, "server_error"))
+                break
+            if chunk.text or chunk.token_ids:
+                yield _sse(api.chunk(job, rid, name, chunk.text, None, {"token_ids": chunk.token_ids}))
+            if chunk.finish_reason is not None:
+                yield _sse(api.chunk(job, rid, name, None if job.chat else "", chunk.finish_reason))
+                if job.include_usage:
+                    yield _sse(api.usage_chunk(job, rid, name, api.usage(seq.prompt_len, count),
+                                               _extension(seq, [])))
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        if not seq.finished:  # the client went away (or the stream failed): free the row
+            service.engine.cancel(handle)
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def run_cli(args) -> int:
+    """Load the pair, build the engine, serve until SIGTERM/SIGINT; exit status 0."""
+    import uvicorn
+
+    service = build_service(args)
+    app = create_app(service)
+    print(f"batchspec: serving {service.model_name!r} on http://{args.host}:{args.port} "
+          f"(k={service.k}, {service.engine.capacity} rows x {service.slots} KV slots)", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=args.graceful_timeout)
+    print(f"batchspec: stopped after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    return 0
+
+
+def build_service(args) -> Service:
+    """The pair, the proposer and the online engine from `batchspec serve`'s options."""
+    from .cli import load_models
+    from .engine import SpecDecoder
+    from .step import Context
+
+    config = EngineConfig(method=args.method, k=args.k, batch_size=args.batch_size, proposer=args.proposer,
+                          kv_budget_tokens=args.kv_budget_tokens)
+    pair = load_models(args)
+    decoder = SpecDecoder(pair, config)  # builds and checks the proposer
+    k = 0 if args.no_spec else config.k
+    ctx = Context(target=pair.target, proposer=None if args.no_spec else decoder.proposer, k=k,
+                  pad_id=pair.pad_id, device=pair.device)
+    slots = args.kv_budget_tokens or min(pair.context_len, DEFAULT_KV_BUDGET)
+    lock = threading.Lock()
+
+    def decode(ids: list[int]) -> str:
+        with lock:
+            return pair.decode(ids)
+
+    engine = OnlineEngine(ctx, config.batch_size, slots, decode, args.max_queue)
+    name = args.served_model_name or pair.name
+    return Service(engine, pair, name, lock)
