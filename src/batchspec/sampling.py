@@ -41,20 +41,16 @@ class RowParams:
         return bool((self.temperature == 0).all())
 
 
-def as_rows(params: SamplingParams | RowParams, rows: int, device=None) -> RowParams:
-    """One SamplingParams shared by `rows` rows, or RowParams as they are."""
-    return params if isinstance(params, RowParams) else RowParams.of([params] * rows, device)
-
-
 def probabilities(logits: torch.Tensor, params: SamplingParams | RowParams) -> torch.Tensor:
     """logits [B, ..., V] -> probs [B, ..., V] (float32) after temperature, top-k, then top-p, with
-    row b's parameters (a shared SamplingParams applies to every row).
+    row b's parameters; a shared SamplingParams applies to every row (then logits may be [..., V]).
 
     Invariant: every row sums to 1 and the argmax token always keeps non-zero probability; a
     greedy row is one-hot at its argmax. A row's result does not depend on the other rows.
     """
-    rows = as_rows(params, logits.shape[0], logits.device)
-    shape = (-1,) + (1,) * (logits.dim() - 1)  # broadcasts [B] over [B, ..., V]
+    shared = isinstance(params, SamplingParams)
+    rows = RowParams.of([params], logits.device) if shared else params
+    shape = (1,) * logits.dim() if shared else (-1,) + (1,) * (logits.dim() - 1)  # [B] over [B, ..., V]
     greedy = (rows.temperature == 0).view(shape)
     temperature = torch.where(rows.temperature == 0, 1.0, rows.temperature).view(shape)
     scaled = _top_k(logits.float() / temperature, rows.top_k.view(shape))

@@ -1,0 +1,155 @@
+"""The pure and in-process parts of serving: per-row sampling in one batch (mixed greedy and
+seeded rows, every method), stop strings, incremental detokenisation, the engine loop's
+cancellation, and per-request fault isolation in the online engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from batchspec import SamplingParams, SpecDecoder
+from batchspec.detok import Detokenizer, TextOutput, find_stop
+from batchspec.loop import Loop
+from batchspec.online import Chunk, OnlineEngine, Request
+from batchspec.ragged import RaggedBatch
+from batchspec.sampling import RowParams, probabilities
+from batchspec.step import Context
+
+from helpers import random_prompts, reference_tokens
+
+MIXED = [
+    SamplingParams(max_new_tokens=20),
+    SamplingParams(temperature=0.7, seed=1, max_new_tokens=25),
+    SamplingParams(temperature=1.3, top_p=0.8, seed=2, max_new_tokens=12),
+    SamplingParams(max_new_tokens=30),
+    SamplingParams(temperature=1.0, top_k=5, seed=3, max_new_tokens=20),
+    SamplingParams(temperature=0.5, top_p=0.9, top_k=40, seed=4, max_new_tokens=18),
+]
+
+
+def test_per_row_probabilities_equal_each_row_alone():
+    logits = torch.randn(4, 3, 50, generator=torch.Generator().manual_seed(0))
+    params = [MIXED[i] for i in (0, 2, 4, 5)]
+    together = probabilities(logits, RowParams.of(params))
+    for b, p in enumerate(params):
+        assert torch.equal(together[b], probabilities(logits[b : b + 1], RowParams.of([p]))[0])
+        if not p.greedy:
+            assert torch.equal(together[b], probabilities(logits[b], p))
+    assert torch.equal(together[0], torch.nn.functional.one_hot(logits[0].argmax(-1), 50).float())
+
+
+@pytest.mark.parametrize("method", ["ragged", "eqspec", "exspec", "ar"])
+def test_mixed_rows_greedy_equal_reference_and_seeded_equal_alone(tiny64, method):
+    prompts = random_prompts(70, len(MIXED), 2, 30)
+    together = SpecDecoder(tiny64, method=method, batch_size=4, k=3).generate(prompts, MIXED)
+    for i, (prompt, p) in enumerate(zip(prompts, MIXED)):
+        if p.greedy:
+            assert together[i].token_ids == reference_tokens(tiny64, [prompt], p.max_new_tokens)[0], f"row {i}"
+        else:
+            alone_method = "reference" if method == "ar" else "spec1"  # k = 0 draws 1 uniform per token
+            alone = SpecDecoder(tiny64, method=alone_method, k=3).generate([prompt], p)[0]
+            assert together[i].token_ids == alone.token_ids, f"row {i}"
+
+
+def _byte_decode(ids):
+    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_releases_whole_characters():
+    text = "añ€😀 ok 中文"
+    ids = list(text.encode())
+    detok, deltas = Detokenizer(_byte_decode), []
+    for t in ids:
+        deltas.append(detok.add(t))
+        assert "\ufffd" not in deltas[-1]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == text
+    half = Detokenizer(_byte_decode)
+    assert half.add(0xE2) == "" and half.flush() == "\ufffd"  # a cut character decodes as decode() does
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 7])
+def test_stop_string_cut_exactly_inside_a_multi_token_step(chunks):
+    ids = list("héllo wörld, STOP here".encode())
+    out, streamed, fed = TextOutput(_byte_decode, ("STOP", "xyz")), [], 0
+    while fed < len(ids) and not out.stopped:
+        out.feed(ids[fed : fed + chunks])
+        fed += chunks
+        streamed.append(out.take())
+    streamed.append(out.take(final=True))
+    assert out.stopped and out.text == "héllo wörld, " and "".join(streamed) == out.text
+    assert out.num_tokens == len("héllo wörld, STOP".encode())  # up to the token completing "STOP"
+    assert find_stop("abcab", ("ca", "bc")) == 1  # the stop string that ends first
+
+
+def test_generate_with_stop_strings(tiny64):
+    prompt = random_prompts(71, 1, 5, 20)[0]
+    full = SpecDecoder(tiny64, method="ragged", k=3).generate([prompt], SamplingParams(max_new_tokens=30))[0]
+    stop = full.text[5:7]
+    if not stop.strip("\ufffd") or stop in full.text[:5]:
+        pytest.skip("no usable stop string in this output")
+    for method in ("ragged", "eqspec", "reference"):
+        out = SpecDecoder(tiny64, method=method, k=3).generate([prompt], SamplingParams(max_new_tokens=30, stop=[stop]))[0]
+        assert (out.text, out.finish_reason) == (full.text[:5], "stop"), method
+        assert out.token_ids == full.token_ids[: len(out.token_ids)]
+
+
+def _context(pair, k=3):
+    dec = SpecDecoder(pair, method="ragged", k=k)
+    return Context(target=pair.target, proposer=dec.proposer, k=k, pad_id=pair.pad_id, device=pair.device)
+
+
+def _seq(pair, prompt, params):
+    dec = SpecDecoder(pair, method="ragged")
+    return dec.make_sequences([prompt], params)[0]
+
+
+def test_loop_retires_a_cancelled_row_before_the_next_step(tiny64):
+    ctx = _context(tiny64)
+    loop = Loop(ctx, RaggedBatch(ctx.models(), 2, 128, ctx.pad_id, ctx.device))
+    seqs = [_seq(tiny64, p, SamplingParams(max_new_tokens=60)) for p in random_prompts(72, 3, 3, 10)]
+    for s in seqs:
+        loop.add(s)
+    loop.iterate()
+    assert len(loop.batch) == 2 and len(loop.waiting) == 1
+    seqs[0].cancelled = True
+    done = loop.iterate()
+    assert seqs[0] in done and seqs[0].finish_reason == "abort" and seqs[0] not in loop.batch.seqs
+    assert seqs[2] in loop.batch.seqs  # its row went to the waiting request in the same iteration
+    loop.run()
+    assert all(s.finished for s in seqs)
+    assert seqs[1].generated == reference_tokens(tiny64, [seqs[1].prompt_ids], 60)[0]
+
+
+def test_a_failing_request_fails_alone(tiny64):
+    ctx = _context(tiny64)
+    engine = OnlineEngine(ctx, 4, 128, _byte_decode).start()
+    results: dict[int, list[Chunk]] = {0: [], 1: []}
+    done = threading.Event()
+
+    def sink(i):
+        def emit(chunk: Chunk):
+            if i == 0 and chunk.token_ids:
+                raise RuntimeError("output processing failed")
+            results[i].append(chunk)
+            if i == 1 and chunk.finish_reason:
+                done.set()
+
+        return emit
+
+    prompts = random_prompts(73, 2, 3, 10)
+    try:
+        for i in (0, 1):
+            engine.submit(Request(_seq(tiny64, prompts[i], SamplingParams(max_new_tokens=20)), sink(i)))
+        assert done.wait(30)
+        time.sleep(0.2)
+        assert results[0][-1].finish_reason == "error" and "output processing failed" in results[0][-1].error
+        tokens = [t for c in results[1] for t in c.token_ids]
+        assert tokens == reference_tokens(tiny64, [prompts[1]], 20)[0]
+        assert engine.counters.outcomes == {"error": 1, "length": 1}
+    finally:
+        engine.shutdown()
+    assert not engine.thread.is_alive()
