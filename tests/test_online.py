@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from helpers import random_prompts, reference_tokens
 
 from batchspec import SamplingParams, SpecDecoder
 from batchspec.detok import Detokenizer, TextOutput, find_stop
@@ -17,8 +18,6 @@ from batchspec.online import Chunk, OnlineEngine, Request
 from batchspec.ragged import RaggedBatch
 from batchspec.sampling import RowParams, probabilities
 from batchspec.step import Context
-
-from helpers import random_prompts, reference_tokens
 
 MIXED = [
     SamplingParams(max_new_tokens=20),
@@ -92,7 +91,9 @@ def test_generate_with_stop_strings(tiny64):
     if not stop.strip("\ufffd") or stop in full.text[:5]:
         pytest.skip("no usable stop string in this output")
     for method in ("ragged", "eqspec", "reference"):
-        out = SpecDecoder(tiny64, method=method, k=3).generate([prompt], SamplingParams(max_new_tokens=30, stop=[stop]))[0]
+        out = SpecDecoder(tiny64, method=method, k=3).generate(
+            [prompt], SamplingParams(max_new_tokens=30, stop=[stop])
+        )[0]
         assert (out.text, out.finish_reason) == (full.text[:5], "stop"), method
         assert out.token_ids == full.token_ids[: len(out.token_ids)]
 

@@ -19,7 +19,8 @@ class EngineCollector:
         engine = self.service.engine
         counters, stats = engine.counters, engine.ctx.stats
         requests = CounterMetricFamily(
-            "batchspec_requests", "Requests by outcome (stop, length, abort, error; refused: invalid, queue_full)",
+            "batchspec_requests",
+            "Requests by outcome (stop, length, abort, error; refused: invalid, queue_full)",
             labels=["outcome"],
         )
         for outcome, n in sorted({**counters.outcomes, **self.service.rejected}.items()):
@@ -34,8 +35,12 @@ class EngineCollector:
         yield _gauge("batchspec_mean_tokens_per_step", "Tokens per row per decode step, mean since start", mean)
         yield _gauge("batchspec_queue_length", "Requests waiting for a row", counters.queue_length)
         yield _gauge("batchspec_running_rows", "Rows decoding", counters.running)
-        yield _gauge("batchspec_kv_slots_used", "Target KV slots holding entries of running rows", counters.kv_slots_used)
-        yield _gauge("batchspec_kv_slots_total", "Target KV slots (rows x slots per row)", engine.capacity * engine.slots)
+        yield _gauge(
+            "batchspec_kv_slots_used", "Target KV slots holding entries of running rows", counters.kv_slots_used
+        )
+        yield _gauge(
+            "batchspec_kv_slots_total", "Target KV slots (rows x slots per row)", engine.capacity * engine.slots
+        )
 
 
 def _accepted(stats) -> int:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import queue
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -86,7 +86,7 @@ class OnlineEngine:
     def _new_batch(self) -> RaggedBatch:
         return RaggedBatch(self.ctx.models(), self.capacity, self.slots, self.ctx.pad_id, self.ctx.device)
 
-    def start(self) -> "OnlineEngine":
+    def start(self) -> OnlineEngine:
         self.thread.start()
         return self
 
@@ -119,7 +119,7 @@ class OnlineEngine:
                 self._take_inbox(block=not self.loop.busy)
                 try:
                     finished = self.loop.iterate()
-                except Exception as err:  # a batched step failed: fail its rows, keep serving
+                except Exception as err:  # noqa: BLE001 - a batched step failed: fail its rows, keep serving
                     traceback.print_exc()
                     self._fail_batch(err)
                     finished = []
@@ -157,7 +157,7 @@ class OnlineEngine:
                 continue
             try:
                 request.emit(self._chunk(seq, request.output))
-            except Exception as err:  # this request only
+            except Exception as err:  # noqa: BLE001 - fail this request only
                 traceback.print_exc()
                 seq.finish("error")
                 request.emit(Chunk("", [], "error", f"{type(err).__name__}: {err}"))

@@ -3,7 +3,7 @@ response bodies and stream chunks. No HTTP and no engine here (server.py joins t
 
 Validation names the offending field (`BadRequest.param`) and says what was expected, so a
 client gets OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`.
-Extensions: `top_k` in requests; `"batchspec": {"token_ids", "steps", "accepted_drafts",
+Extensions: `top_k` and `ignore_eos` in requests (as vLLM); `"batchspec": {"token_ids", "steps", "accepted_drafts",
 "proposed_drafts"}` in responses (per chunk: the chunk's `token_ids`).
 """
 
@@ -61,8 +61,13 @@ def parse_job(body, chat: bool) -> Job:
     n = _get(body, "n", (int,), 1, "an integer")
     if n != 1:
         raise BadRequest(f"'n' must be 1 (one choice per request is served), got {n}", "n")
-    max_tokens = _get(body, "max_completion_tokens" if chat and "max_tokens" not in body else "max_tokens", (int,),
-                      None, "an integer >= 1")
+    max_tokens = _get(
+        body,
+        "max_completion_tokens" if chat and "max_tokens" not in body else "max_tokens",
+        (int,),
+        None,
+        "an integer >= 1",
+    )
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest(f"'max_tokens' must be an integer >= 1, got {max_tokens}", "max_tokens")
     params = _parse_sampling(body)
@@ -88,8 +93,14 @@ def _parse_sampling(body: dict) -> SamplingParams:
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop):
         raise BadRequest(f"'stop' must be a non-empty string or a list of them, got {stop!r}", "stop")
+    ignore_eos = _get(body, "ignore_eos", (bool,), False, "a boolean")
     return SamplingParams(
-        temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed, stop=tuple(stop)
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=max(top_k, 0),
+        seed=seed,
+        stop=tuple(stop),
+        ignore_eos=ignore_eos,
     )
 
 
@@ -101,8 +112,9 @@ def _parse_prompt(body: dict):
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
-    raise BadRequest(f"'prompt' must be a non-empty string or a list of token ids (one prompt), got {prompt!r}",
-                     "prompt")
+    raise BadRequest(
+        f"'prompt' must be a non-empty string or a list of token ids (one prompt), got {prompt!r}", "prompt"
+    )
 
 
 def _parse_messages(body: dict) -> list[dict]:
@@ -132,31 +144,57 @@ def new_id(chat: bool) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def response(job: Job, rid: str, model: str, text: str, finish: str, use: dict, extension: dict) -> dict:
     """The non-streamed body of a completion or chat completion."""
     if job.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": use, "batchspec": extension}
+    return {
+        "id": rid,
+        "object": "chat.completion" if job.chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+        "batchspec": extension,
+    }
 
 
-def chunk(job: Job, rid: str, model: str, text: str | None, finish: str | None, extension: dict | None = None,
-          role: bool = False) -> dict:
+def chunk(
+    job: Job,
+    rid: str,
+    model: str,
+    text: str | None,
+    finish: str | None,
+    extension: dict | None = None,
+    role: bool = False,
+) -> dict:
     """One stream chunk carrying `text` (chat: a delta; `role` adds the assistant role)."""
     if job.chat:
         delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-    body = {"id": rid, "object": "chat.completion.chunk" if job.chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice]}
+    body = {
+        "id": rid,
+        "object": "chat.completion.chunk" if job.chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
     if job.include_usage:
         body["usage"] = None
     if extension is not None:
@@ -166,5 +204,12 @@ def chunk(job: Job, rid: str, model: str, text: str | None, finish: str | None, 
 
 def usage_chunk(job: Job, rid: str, model: str, use: dict, extension: dict) -> dict:
     """The last chunk when stream_options.include_usage: no choices, the usage."""
-    return {"id": rid, "object": "chat.completion.chunk" if job.chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [], "usage": use, "batchspec": extension}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if job.chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": use,
+        "batchspec": extension,
+    }

@@ -27,7 +27,7 @@ class RowParams:
     top_k: torch.Tensor
 
     @classmethod
-    def of(cls, params: list[SamplingParams], device=None) -> "RowParams":
+    def of(cls, params: list[SamplingParams], device=None) -> RowParams:
         """Stack each row's SamplingParams into tensors."""
         return cls(
             torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import sys
 import threading
 import time
@@ -53,19 +54,30 @@ class Service:
         room = self.slots - self.k - 1  # a row's slots, less the draft slots of its last step
         n = len(ids)
         if n >= self.context:
-            raise api.BadRequest(f"the prompt has {n} tokens, but the model's context is {self.context} tokens",
-                                 "messages" if job.chat else "prompt", code="context_length_exceeded")
+            raise api.BadRequest(
+                f"the prompt has {n} tokens, but the model's context is {self.context} tokens",
+                "messages" if job.chat else "prompt",
+                code="context_length_exceeded",
+            )
         default = min(room, self.context) - n if job.chat else 16
         max_tokens = job.max_tokens if job.max_tokens is not None else default
         if max_tokens < 1 or n + max_tokens > room:
             raise api.BadRequest(
                 f"the prompt ({n} tokens) + max_tokens ({max_tokens}) + {self.k + 1} draft slots = "
                 f"{n + max_tokens + self.k + 1} exceeds the KV budget of {self.slots} slots per row",
-                "max_tokens", code="context_length_exceeded")
+                "max_tokens",
+                code="context_length_exceeded",
+            )
         params = SamplingParams(**{**job.params.__dict__, "max_new_tokens": max_tokens})
-        return Sequence(index=0, prompt_ids=ids, max_new_tokens=max_tokens, max_len=min(n + max_tokens, self.context),
-                        eos_ids=self.pair.eos_ids, generator=None if params.greedy else make_generator(params.seed),
-                        params=params)
+        return Sequence(
+            index=0,
+            prompt_ids=ids,
+            max_new_tokens=max_tokens,
+            max_len=min(n + max_tokens, self.context),
+            eos_ids=frozenset() if params.ignore_eos else self.pair.eos_ids,
+            generator=None if params.greedy else make_generator(params.seed),
+            params=params,
+        )
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -99,8 +111,13 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "batchspec",
-                "max_model_len": service.context}
+        card = {
+            "id": service.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "batchspec",
+            "max_model_len": service.context,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
@@ -134,8 +151,12 @@ async def serve(service: Service, request: Request, chat: bool):
             raise api.BadRequest(f"the request body is not valid JSON: {err}") from None
         job = api.parse_job(body, chat)
         if job.model is not None and job.model != service.model_name:
-            raise api.BadRequest(f"the model '{job.model}' does not exist; this server serves "
-                                 f"'{service.model_name}'", "model", 404, "model_not_found")
+            raise api.BadRequest(
+                f"the model '{job.model}' does not exist; this server serves '{service.model_name}'",
+                "model",
+                404,
+                "model_not_found",
+            )
         seq = service.sequence(job, service.encode(job))
         chunks: asyncio.Queue[Chunk] = asyncio.Queue()
         handle = EngineRequest(seq, _emitter(asyncio.get_running_loop(), chunks))
@@ -165,8 +186,12 @@ def _emitter(loop: asyncio.AbstractEventLoop, chunks: asyncio.Queue):
 
 def _extension(seq: Sequence, token_ids: list[int]) -> dict:
     steps = seq.accepted_per_step
-    return {"token_ids": token_ids, "steps": len(steps), "accepted_drafts": sum(steps),
-            "proposed_drafts": seq.proposed_drafts}
+    return {
+        "token_ids": token_ids,
+        "steps": len(steps),
+        "accepted_drafts": sum(steps),
+        "proposed_drafts": seq.proposed_drafts,
+    }
 
 
 async def _complete(service: Service, job, handle: EngineRequest, chunks: asyncio.Queue, rid: str, request: Request):
@@ -175,7 +200,7 @@ async def _complete(service: Service, job, handle: EngineRequest, chunks: asynci
     while True:
         try:
             chunk = await asyncio.wait_for(chunks.get(), timeout=0.5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if await request.is_disconnected():
                 service.engine.cancel(handle)
                 return Response(status_code=499)
@@ -189,8 +214,7 @@ async def _complete(service: Service, job, handle: EngineRequest, chunks: asynci
         return JSONResponse(api.error_body(message, "server_error"), 500 if chunk.finish_reason == "error" else 503)
     seq = handle.seq
     use = api.usage(seq.prompt_len, len(tokens))
-    return api.response(job, rid, service.model_name, "".join(text), chunk.finish_reason, use,
-                        _extension(seq, tokens))
+    return api.response(job, rid, service.model_name, "".join(text), chunk.finish_reason, use, _extension(seq, tokens))
 
 
 async def _stream(service: Service, job, handle: EngineRequest, chunks: asyncio.Queue, rid: str):
@@ -211,8 +235,7 @@ async def _stream(service: Service, job, handle: EngineRequest, chunks: asyncio.
             if chunk.finish_reason is not None:
                 yield _sse(api.chunk(job, rid, name, None if job.chat else "", chunk.finish_reason))
                 if job.include_usage:
-                    yield _sse(api.usage_chunk(job, rid, name, api.usage(seq.prompt_len, count),
-                                               _extension(seq, [])))
+                    yield _sse(api.usage_chunk(job, rid, name, api.usage(seq.prompt_len, count), _extension(seq, [])))
                 break
         yield "data: [DONE]\n\n"
     finally:
@@ -230,11 +253,20 @@ def run_cli(args) -> int:
 
     service = build_service(args)
     app = create_app(service)
-    print(f"batchspec: serving {service.model_name!r} on http://{args.host}:{args.port} "
-          f"(k={service.k}, {service.engine.capacity} rows x {service.slots} KV slots)", file=sys.stderr, flush=True)
+    print(
+        f"batchspec: serving {service.model_name!r} on http://{args.host}:{args.port} "
+        f"(k={service.k}, {service.engine.capacity} rows x {service.slots} KV slots)",
+        file=sys.stderr,
+        flush=True,
+    )
     started = time.monotonic()
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=args.graceful_timeout)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the handler
+    # that was there before it: make that a no-op, so a graceful stop exits with status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=args.graceful_timeout
+    )
     print(f"batchspec: stopped after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return 0
 
@@ -245,13 +277,23 @@ def build_service(args) -> Service:
     from .engine import SpecDecoder
     from .step import Context
 
-    config = EngineConfig(method=args.method, k=args.k, batch_size=args.batch_size, proposer=args.proposer,
-                          kv_budget_tokens=args.kv_budget_tokens)
+    config = EngineConfig(
+        method=args.method,
+        k=args.k,
+        batch_size=args.batch_size,
+        proposer=args.proposer,
+        kv_budget_tokens=args.kv_budget_tokens,
+    )
     pair = load_models(args)
     decoder = SpecDecoder(pair, config)  # builds and checks the proposer
     k = 0 if args.no_spec else config.k
-    ctx = Context(target=pair.target, proposer=None if args.no_spec else decoder.proposer, k=k,
-                  pad_id=pair.pad_id, device=pair.device)
+    ctx = Context(
+        target=pair.target,
+        proposer=None if args.no_spec else decoder.proposer,
+        k=k,
+        pad_id=pair.pad_id,
+        device=pair.device,
+    )
     slots = args.kv_budget_tokens or min(pair.context_len, DEFAULT_KV_BUDGET)
     lock = threading.Lock()
 

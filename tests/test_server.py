@@ -1,0 +1,275 @@
+"""`batchspec serve` end to end: a real server process on 127.0.0.1 (the tiny pair, float64 so
+greedy rows can be compared with the reference exactly), called with the official `openai` client.
+Prompts are token-id lists; outputs are compared by token ids (the `batchspec.token_ids`
+extension), since the tiny model's random bytes are not valid UTF-8 text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from helpers import random_prompts, reference_tokens
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *options: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        cmd = [
+            sys.executable,
+            "-m",
+            "batchspec.cli",
+            "serve",
+            "--pair",
+            "tiny",
+            "--dtype",
+            "float64",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *options,
+        ]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            raise TimeoutError("the server did not come up in 60 s")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        self.aclient = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        lines = httpx.get(self.url + "/metrics", timeout=5).text.splitlines()
+        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))}
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server("--batch-size", "8", "-k", "3")
+    yield srv
+    assert srv.stop() == 0
+
+
+def _ids(completion) -> list[int]:
+    return completion.model_extra["batchspec"]["token_ids"]
+
+
+def _complete(srv, prompt, **kw):
+    return srv.client.completions.create(model="tiny", prompt=prompt, **kw)
+
+
+def _stream(srv, prompt, **kw):
+    text, ids, finish, usage = "", [], None, None
+    for chunk in _complete(srv, prompt, stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            ids += (chunk.model_extra.get("batchspec") or {}).get("token_ids", [])
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    return text, ids, finish, usage
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 5}])
+def test_streamed_equals_non_streamed(server, sampling):
+    prompt = random_prompts(80, 1, 5, 20)[0]
+    full = _complete(server, prompt, max_tokens=40, **sampling)
+    text, ids, finish, usage = _stream(server, prompt, max_tokens=40, **sampling)
+    assert (text, ids, finish) == (full.choices[0].text, _ids(full), full.choices[0].finish_reason)
+    assert usage.completion_tokens == full.usage.completion_tokens == len(ids)
+    assert usage.prompt_tokens == len(prompt) and usage.total_tokens == len(prompt) + len(ids)
+    assert full.model_extra["batchspec"]["steps"] >= 1
+
+
+def test_chat_streamed_equals_non_streamed(server):
+    messages = [{"role": "user", "content": "Héllo, wörld €"}]
+    full = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0)
+    parts = server.client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=30, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+    assert streamed == full.choices[0].message.content and full.choices[0].message.role == "assistant"
+
+
+def test_max_tokens_stop_and_seed(server):
+    prompt = random_prompts(81, 1, 5, 20)[0]
+    short = _complete(server, prompt, max_tokens=7, temperature=0)
+    assert (short.usage.completion_tokens, short.choices[0].finish_reason) == (7, "length")
+    full = _complete(server, prompt, max_tokens=40, temperature=0)
+    assert _ids(full)[:7] == _ids(short) == reference_tokens_64(prompt, 7)
+    text = full.choices[0].text
+    stop = next(
+        text[i : i + 2]
+        for i in range(3, len(text) - 2)
+        if "\ufffd" not in text[i : i + 2] and text[i : i + 2] not in text[: i + 1]
+    )
+    cut = _complete(server, prompt, max_tokens=40, temperature=0, stop=[stop, "never"])
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (text[: text.index(stop)], "stop")
+    assert _stream(server, prompt, max_tokens=40, temperature=0, stop=stop)[0] == cut.choices[0].text
+    a, b, c = (_complete(server, prompt, max_tokens=30, temperature=1.0, seed=s) for s in (11, 11, 12))
+    assert _ids(a) == _ids(b) != _ids(c)
+
+
+_TINY64 = {}
+
+
+def reference_tokens_64(prompt, max_new):
+    if "pair" not in _TINY64:
+        import torch
+
+        from batchspec import tiny_pair
+
+        _TINY64["pair"] = tiny_pair(dtype=torch.float64)
+    return reference_tokens(_TINY64["pair"], [prompt], max_new)[0]
+
+
+def test_32_concurrent_streams_with_mixed_parameters(server):
+    prompts = random_prompts(82, 32, 2, 40)
+    kinds = [
+        {"temperature": 0}
+        if i % 2 == 0
+        else {
+            "temperature": 0.6 + 0.1 * (i % 7),
+            "top_p": [1.0, 0.9, 0.7][i % 3],
+            "seed": i,
+            "extra_body": {"top_k": [0, 10, 50][i % 3]},
+        }
+        for i in range(32)
+    ]
+    lengths = [8 + (i * 7) % 33 for i in range(32)]
+    alone = {i: _ids(_complete(server, prompts[i], max_tokens=lengths[i], **kinds[i])) for i in range(1, 32, 2)}
+
+    async def one(i):
+        ids = []
+        stream = await server.aclient.completions.create(
+            model="tiny", prompt=prompts[i], max_tokens=lengths[i], stream=True, **kinds[i]
+        )
+        async for chunk in stream:
+            ids += (chunk.model_extra.get("batchspec") or {}).get("token_ids", [])
+        return ids
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    results = asyncio.run(all_of_them())
+    for i, ids in enumerate(results):
+        if i % 2 == 0:
+            assert ids == reference_tokens_64(prompts[i], lengths[i]), f"greedy request {i}"
+        else:
+            assert ids == alone[i], f"seeded request {i}"
+
+
+def test_client_disconnect_frees_its_row(server):
+    before = server.metrics().get('batchspec_requests_total{outcome="abort"}', 0)
+    body = {
+        "model": "tiny",
+        "prompt": [1, 2, 3],
+        "max_tokens": 1900,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert server.metrics()["batchspec_running_rows"] >= 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m['batchspec_requests_total{outcome="abort"}'] > before and m["batchspec_running_rows"] == 0:
+            break
+        time.sleep(0.05)
+    assert m['batchspec_requests_total{outcome="abort"}'] == before + 1
+    assert m["batchspec_running_rows"] == 0 and m["batchspec_kv_slots_used"] == 0
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"prompt": [1, 2], "temperature": "hot"}, "temperature", ["temperature", "hot"]),
+        ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", ["max_tokens", ">= 1"]),
+        ({"prompt": [1, 2], "n": 2}, "n", ["'n' must be 1"]),
+        ({"prompt": 5}, "prompt", ["prompt"]),
+        ({"prompt": [1, 2], "stop": [3]}, "stop", ["stop"]),
+        ({"prompt": [1, 2], "stream": "yes"}, "stream", ["stream", "boolean"]),
+        ({"prompt": [1, 2], "max_tokens": 5000}, "max_tokens", ["2 tokens", "5000", "KV budget of 2048"]),
+        ({"prompt": [7] * 9000}, "prompt", ["9000 tokens", "context is 8192"]),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(server, body, param, words):
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=10)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and error["type"] == "invalid_request_error"
+    assert all(w in error["message"] for w in words), error["message"]
+
+
+def test_malformed_json_and_unknown_model(server):
+    response = httpx.post(server.url + "/v1/completions", content=b'{"prompt": [1,', timeout=10)
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError) as err:
+        server.client.completions.create(model="gpt-5", prompt=[1, 2])
+    assert "gpt-5" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        server.client.chat.completions.create(model="tiny", messages=[{"content": "no role"}])
+    assert err.value.body["param"] == "messages[0].role"
+    assert [m.id for m in server.client.models.list()] == ["tiny"]
+
+
+def test_full_queue_is_refused_at_once_and_sigterm_exits_0():
+    srv = Server("--batch-size", "1", "--max-queue", "1")
+    try:
+        long = {
+            "model": "tiny",
+            "prompt": [1, 2, 3],
+            "max_tokens": 1900,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        with httpx.stream("POST", srv.url + "/v1/completions", json=long, timeout=30) as running:
+            first = running.iter_lines()  # (an abandoned iterator would close the connection)
+            next(first)  # the long request holds the only row for a few seconds
+            with (
+                httpx.Client(timeout=30) as c,
+                c.stream("POST", srv.url + "/v1/completions", json={**long, "max_tokens": 10}) as queued,
+            ):
+                assert queued.status_code == 200  # queued before its response started
+                start = time.monotonic()
+                refused = httpx.post(srv.url + "/v1/completions", json={**long, "stream": False}, timeout=10)
+                assert refused.status_code == 429 and time.monotonic() - start < 2
+                assert refused.json()["error"]["code"] == "queue_full"
+                srv.proc.send_signal(signal.SIGTERM)  # in-flight requests finish, then exit 0
+                lines = [line for line in queued.iter_lines() if line]
+            assert lines[-1] == "data: [DONE]"
+            assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert srv.proc.wait(60) == 0
+    finally:
+        srv.stop()
