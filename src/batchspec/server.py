@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from . import openai_api as api
 from .config import EngineConfig, SamplingParams
+from .errors import BatchspecError
 from .metrics import EngineCollector
 from .online import Chunk, OnlineEngine, QueueFull, ShuttingDown
 from .online import Request as EngineRequest
@@ -277,6 +278,10 @@ def build_service(args) -> Service:
     from .engine import SpecDecoder
     from .step import Context
 
+    if args.max_queue < 0:
+        raise BatchspecError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.kv_budget_tokens is not None and args.kv_budget_tokens < args.k + 2:
+        raise BatchspecError(f"--kv-budget must leave room for a prompt token and k + 1 = {args.k + 1} draft slots")
     config = EngineConfig(
         method=args.method,
         k=args.k,
