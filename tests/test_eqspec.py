@@ -41,7 +41,9 @@ def test_every_draft_accepted(tiny_same):
     dec = SpecDecoder(tiny_same, method="eqspec", k=4, batch_size=6, check_invariants=True)
     outs = dec.generate(prompts, SamplingParams(max_new_tokens=41, ignore_eos=True))
     assert set(dec.stats.accepted_hist) == {4, 0} or set(dec.stats.accepted_hist) == {4}  # last step may clip
-    ref = SpecDecoder(tiny_same, method="reference").generate(prompts, SamplingParams(max_new_tokens=41, ignore_eos=True))
+    ref = SpecDecoder(tiny_same, method="reference").generate(
+        prompts, SamplingParams(max_new_tokens=41, ignore_eos=True)
+    )
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
 
 

@@ -30,7 +30,9 @@ def test_exspec_equals_reference(tiny64, seed, n, batch, extra, k, max_new):
 @given(seed=st.integers(0, 10**6), batch=st.integers(1, 5), min_group=st.integers(1, 5))
 def test_exspec_invariants_and_partial_groups(tiny64, seed, batch, min_group):
     prompts = random_prompts(seed, 10, 1, 6)  # short prompts: many equal lengths, real groups
-    got = decode(tiny64, prompts, 20, method="exspec", batch_size=batch, min_group=min_group, k=3, check_invariants=True)
+    got = decode(
+        tiny64, prompts, 20, method="exspec", batch_size=batch, min_group=min_group, k=3, check_invariants=True
+    )
     assert got == reference_tokens(tiny64, prompts, 20)
 
 
@@ -58,7 +60,10 @@ def test_split_then_stack_is_identity(tiny64):
     heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
     counts = [5, 2, 7]
     width = max(counts)
-    seqs = [[(torch.randn(1, heads, n, dim), torch.randn(1, heads, n, dim)) for _ in range(config.num_hidden_layers)] for n in counts]
+    seqs = [
+        [(torch.randn(1, heads, n, dim), torch.randn(1, heads, n, dim)) for _ in range(config.num_hidden_layers)]
+        for n in counts
+    ]
     cache = kv.stack(config, seqs, counts)
     assert kv.width(cache) == width
     back = kv.split(cache, [width - n for n in counts])

@@ -60,7 +60,9 @@ class BSPBatch(PaddedBatch):
 
     def realign(self):
         finished = [s for s in self.seqs if s.finished]
-        accepted = torch.tensor([s.accepted_per_step[-1] if s.accepted_per_step else 0 for s in self.seqs], device=self.device)
+        accepted = torch.tensor(
+            [s.accepted_per_step[-1] if s.accepted_per_step else 0 for s in self.seqs], device=self.device
+        )
         for role in self.caches:
             width, fed, block = self.cache_width(role), self.fed[role], self.block[role]
             drafts = fed - block  # draft columns fed after the pending block

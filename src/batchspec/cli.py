@@ -24,16 +24,25 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pair", choices=PAIRS, help="built-in pair (default: default, unless --target is given)")
     g.add_argument("--target", help="target model: a local HF directory, a .gguf file, or a hub id")
     g.add_argument("--draft", help="draft model (same forms); without it the n-gram proposer is used")
-    g.add_argument("--dtype", choices=list(DTYPES), default="float32", help="float32 (default: exact) or bfloat16 (fast)")
+    g.add_argument(
+        "--dtype", choices=list(DTYPES), default="float32", help="float32 (default: exact) or bfloat16 (fast)"
+    )
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
 
 
 def _prompt_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prompts")
     g.add_argument("prompt", nargs="*", help="prompts (default: a few built-in ones)")
-    g.add_argument("--prompts", metavar="FILE", help="Spec-Bench JSONL (first turn) or a text file, one prompt per line")
+    g.add_argument(
+        "--prompts", metavar="FILE", help="Spec-Bench JSONL (first turn) or a text file, one prompt per line"
+    )
     g.add_argument("--limit", type=int, help="use only the first N prompts of --prompts")
-    g.add_argument("--every", type=int, default=1, help="take every N-th prompt of --prompts (spreads a sample over Spec-Bench's categories)")
+    g.add_argument(
+        "--every",
+        type=int,
+        default=1,
+        help="take every N-th prompt of --prompts (spreads a sample over Spec-Bench's categories)",
+    )
     g.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text")
 
 
@@ -50,9 +59,13 @@ def _decode_options(p: argparse.ArgumentParser, methods: bool) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, help="per-request seed (sampling)")
     g.add_argument("--window-size", type=int, help="exspec: active pool size (default 4 x batch size)")
-    g.add_argument("--min-group", type=int, help="exspec: smallest same-length group run unpadded (default: batch size)")
+    g.add_argument(
+        "--min-group", type=int, help="exspec: smallest same-length group run unpadded (default: batch size)"
+    )
     g.add_argument("--kv-budget", type=int, dest="kv_budget_tokens", help="ragged: KV slots per row")
-    g.add_argument("--check-invariants", action="store_true", help="check every synchronization invariant after each step (slow)")
+    g.add_argument(
+        "--check-invariants", action="store_true", help="check every synchronization invariant after each step (slow)"
+    )
     g.add_argument("--json", metavar="OUT", help="write a machine-readable result to OUT")
 
 
@@ -67,11 +80,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import bench, equivalence
 
-    verify = _comparison(sub, "verify", "compare methods with the target alone and explain every divergence",
-                         "eqspec,exspec,ragged", equivalence.run_cli)
+    verify = _comparison(
+        sub,
+        "verify",
+        "compare methods with the target alone and explain every divergence",
+        "eqspec,exspec,ragged",
+        equivalence.run_cli,
+    )
     verify.set_defaults(max_new_tokens=48)
-    b = _comparison(sub, "bench", "time every method side by side, with the speed-of-light model",
-                    "ar,spec1,eqspec,exspec,ragged", bench.run_cli)
+    b = _comparison(
+        sub,
+        "bench",
+        "time every method side by side, with the speed-of-light model",
+        "ar,spec1,eqspec,exspec,ragged",
+        bench.run_cli,
+    )
     b.add_argument("--repeats", type=int, default=1, help="runs of each method, interleaved (default 1)")
     b.add_argument("--plot", metavar="OUT.png", help="write the throughput / stage plot")
     _serve_parser(sub)
@@ -88,15 +111,23 @@ def _serve_parser(sub) -> None:
     g.add_argument("--no-spec", action="store_true", help="plain decoding (k = 0) in the same engine")
     g.add_argument("--proposer", choices=list(PROPOSERS), help="draft model or n-gram lookup (default: the pair's)")
     g.add_argument("--batch-size", type=int, default=8, help="rows decoded together (default 8)")
-    g.add_argument("--kv-budget", type=int, dest="kv_budget_tokens",
-                   help="KV slots per row: prompt + max_tokens + k + 1 must fit (default: min(context, 2048))")
+    g.add_argument(
+        "--kv-budget",
+        type=int,
+        dest="kv_budget_tokens",
+        help="KV slots per row: prompt + max_tokens + k + 1 must fit (default: min(context, 2048))",
+    )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--max-queue", type=int, default=256, help="requests waiting for a row before 429 (default 256)")
     g.add_argument("--served-model-name", help="the model name clients use (default: the pair's name)")
-    g.add_argument("--graceful-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds running requests may take to finish before they are cancelled")
+    g.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests may take to finish before they are cancelled",
+    )
 
     def run(args) -> int:
         from .server import run_cli
@@ -187,13 +218,21 @@ def cmd_generate(args) -> int:
         print(out.text)
     print(f"[{args.method}, batch {args.batch_size}, k {args.k}, {dec.proposer_name}] {dec.stats.line()}")
     if args.json:
-        write_json(args.json, {
-            "results": [o.to_json() | {"category": p.category} for o, p in zip(outs, prompts)],
-            "stats": dec.stats.summary(),
-            "config": {"method": args.method, "batch_size": args.batch_size, "k": args.k, "proposer": dec.proposer_name,
-                       "sampling": params.__dict__},
-            "models": pair.describe(),
-        })
+        write_json(
+            args.json,
+            {
+                "results": [o.to_json() | {"category": p.category} for o, p in zip(outs, prompts)],
+                "stats": dec.stats.summary(),
+                "config": {
+                    "method": args.method,
+                    "batch_size": args.batch_size,
+                    "k": args.k,
+                    "proposer": dec.proposer_name,
+                    "sampling": params.__dict__,
+                },
+                "models": pair.describe(),
+            },
+        )
     return 0
 
 

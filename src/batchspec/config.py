@@ -84,9 +84,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS + BROKEN_METHODS:
-            raise BatchspecError(
-                f"unknown method {self.method!r}; choose one of {', '.join(METHODS + BROKEN_METHODS)}"
-            )
+            raise BatchspecError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS + BROKEN_METHODS)}")
         if not _is_int(self.k) or self.k < 1:
             raise BatchspecError(f"k (draft tokens per step) must be an integer >= 1, got {self.k!r}")
         if not _is_int(self.batch_size) or self.batch_size < 1:
@@ -98,9 +96,7 @@ class EngineConfig:
             if value is not None and (not _is_int(value) or value < 1):
                 raise BatchspecError(f"{name} must be an integer >= 1, got {value!r}")
         if self.window_size is not None and self.window_size < self.batch_size:
-            raise BatchspecError(
-                f"window_size ({self.window_size}) must be >= batch_size ({self.batch_size})"
-            )
+            raise BatchspecError(f"window_size ({self.window_size}) must be >= batch_size ({self.batch_size})")
 
     @property
     def window(self) -> int:

@@ -28,7 +28,12 @@ def forward_seconds(model, batch: int, query: int, context: int, repeats: int = 
     gen = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
     cache = kv.empty(model.config)
-    model(input_ids=torch.randint(vocab, (batch, context), generator=gen).to(device), cache=cache, use_cache=True, logits_to_keep=1)
+    model(
+        input_ids=torch.randint(vocab, (batch, context), generator=gen).to(device),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     ids = torch.randint(vocab, (batch, query), generator=gen).to(device)
     times = []
     for _ in range(repeats):

@@ -109,7 +109,9 @@ class SmolDraft(torch.nn.Module):
 def save_draft(model: SmolDraft, meta: dict, weights: str = DRAFT_FILE, meta_file: str = META_FILE) -> None:
     """Write the weights (bf16, no embedding) and the metadata JSON."""
     os.makedirs(os.path.dirname(weights), exist_ok=True)
-    save_file(model.stored_state(), weights, metadata={"format": "pt", "num_layers": str(model.config.num_hidden_layers)})
+    save_file(
+        model.stored_state(), weights, metadata={"format": "pt", "num_layers": str(model.config.num_hidden_layers)}
+    )
     with open(meta_file, "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")
@@ -120,7 +122,9 @@ def build_draft(target, state: dict[str, torch.Tensor], num_layers: int) -> Smol
     model = SmolDraft(draft_config(target.config, num_layers), state["vocab_ids"])
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {EMBED_KEY}:
-        raise ValueError(f"draft weights do not fit: missing {sorted(set(missing) - {EMBED_KEY})}, unexpected {unexpected}")
+        raise ValueError(
+            f"draft weights do not fit: missing {sorted(set(missing) - {EMBED_KEY})}, unexpected {unexpected}"
+        )
     model.tie_embedding(target.model.embed_tokens.weight)
     return model
 

@@ -91,8 +91,18 @@ def compare(target, prompt_ids, references, outputs) -> tuple[dict, list[Diverge
     return metrics, divergences
 
 
-def verify(pair, prompts, methods, batch_sizes, params: SamplingParams, k=4, proposer=None, chat_template=True, progress=True,
-           **options) -> dict:
+def verify(
+    pair,
+    prompts,
+    methods,
+    batch_sizes,
+    params: SamplingParams,
+    k=4,
+    proposer=None,
+    chat_template=True,
+    progress=True,
+    **options,
+) -> dict:
     """Run the reference once, every method at every batch size, and compare (greedy only).
     `options`: further EngineConfig fields (window_size, min_group, ...) for every method."""
     if not params.greedy:
@@ -106,16 +116,20 @@ def verify(pair, prompts, methods, batch_sizes, params: SamplingParams, k=4, pro
     runs = []
     combos = [(m, b) for m in methods for b in batch_sizes]
     for method, batch in tqdm(combos, desc="verify", disable=not progress, leave=False):
-        dec = SpecDecoder(pair, EngineConfig(method=method, batch_size=batch, k=k, proposer=proposer, progress=progress, **options))
+        dec = SpecDecoder(
+            pair, EngineConfig(method=method, batch_size=batch, k=k, proposer=proposer, progress=progress, **options)
+        )
         outs = dec.generate(prompt_ids, params)
         metrics, divs = compare(pair.target, prompt_ids, references, [o.token_ids for o in outs])
-        runs.append({
-            "method": method,
-            "batch_size": batch,
-            "dtype": str(pair.dtype).removeprefix("torch."),
-            **metrics,
-            "divergence_list": [asdict(d) | _texts(pair, d) for d in divs],
-        })
+        runs.append(
+            {
+                "method": method,
+                "batch_size": batch,
+                "dtype": str(pair.dtype).removeprefix("torch."),
+                **metrics,
+                "divergence_list": [asdict(d) | _texts(pair, d) for d in divs],
+            }
+        )
     return {"runs": runs, "models": pair.describe(), "k": k, "max_new_tokens": params.max_new_tokens}
 
 
@@ -139,15 +153,25 @@ def run_cli(args: argparse.Namespace) -> int:
     from .cli import comparison_inputs, engine_options, write_json
 
     params, methods, batch_sizes, prompts, pair = comparison_inputs(args)
-    report = verify(pair, prompts, methods, batch_sizes, params, chat_template=not args.no_chat_template,
-                    progress=not args.quiet, **engine_options(args))
+    report = verify(
+        pair,
+        prompts,
+        methods,
+        batch_sizes,
+        params,
+        chat_template=not args.no_chat_template,
+        progress=not args.quiet,
+        **engine_options(args),
+    )
     print(table(report))
     for r in report["runs"]:
         shown = r["divergence_list"][:SHOW]
         for d in shown:
             gap = "stopped" if d["gap"] is None else f"gap {d['gap']:.3g} (tol {d['tolerance']:.3g})"
-            print(f"  {r['method']} b={r['batch_size']} prompt {d['prompt']} token {d['position']}: "
-                  f"{d['reference_token']} {d['reference_text']!r} -> {d['method_token']} {d['method_text']!r}, {gap}: {d['kind']}")
+            print(
+                f"  {r['method']} b={r['batch_size']} prompt {d['prompt']} token {d['position']}: "
+                f"{d['reference_token']} {d['reference_text']!r} -> {d['method_token']} {d['method_text']!r}, {gap}: {d['kind']}"
+            )
         if len(r["divergence_list"]) > len(shown):
             print(f"  {r['method']} b={r['batch_size']}: {len(r['divergence_list']) - len(shown)} more (all in --json)")
     if args.json:

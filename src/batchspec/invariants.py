@@ -44,7 +44,9 @@ def _check_row(model, role: str, row: int, tokens: list[int], cached: kv.SeqKV) 
     for layer, ((k, v), (fk, fv)) in enumerate(zip(cached, kv.tensors(fresh), strict=True)):
         for name, got, want in (("keys", k, fk), ("values", v, fv)):
             if got.shape != want.shape:
-                raise InvariantError(f"{role} row {row} layer {layer} {name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+                raise InvariantError(
+                    f"{role} row {row} layer {layer} {name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+                )
             err = (got.float() - want.float()).abs().max().item()
             scale = want.float().abs().max().item() or 1.0
             if err > tol * max(1.0, scale):

@@ -55,7 +55,12 @@ class ModelPair:
                 return None
             return {"class": type(m).__name__, "parameters": sum(p.numel() for p in m.parameters())}
 
-        return {"pair": self.name, "target": info(self.target), "draft": info(self.draft), "dtype": str(self.dtype).removeprefix("torch.")}
+        return {
+            "pair": self.name,
+            "target": info(self.target),
+            "draft": info(self.draft),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
 
     def encode(self, prompt: str | list[int], chat_template: bool = True) -> list[int]:
         """Token ids for one prompt: token-id lists pass through; text gets the chat template when
@@ -218,7 +223,9 @@ def _load_hub(spec: str, dtype: torch.dtype):
         return _from_pretrained(spec, dtype, {"local_files_only": True})
     except OSError:
         pass
-    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get("TRANSFORMERS_OFFLINE", "") not in ("", "0")
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get(
+        "TRANSFORMERS_OFFLINE", ""
+    ) not in ("", "0")
     if offline or not hub_reachable():
         why = "HF_HUB_OFFLINE is set" if offline else "the hub is unreachable from this machine"
         raise BatchspecError(

@@ -69,7 +69,9 @@ class SlotCache(Cache):
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         shape = (capacity, heads, slots, dim)
         layers = [
-            SlotLayer(self, torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            SlotLayer(
+                self, torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+            )
             for _ in range(config.num_hidden_layers)
         ]
         super().__init__(layers=layers)
@@ -182,7 +184,9 @@ class RaggedBatch:
 
     def row_cache(self, role: str, row: int) -> kv.SeqKV:
         n = int(self.counts[role][row])
-        return [(layer.keys[row : row + 1, :, :n], layer.values[row : row + 1, :, :n]) for layer in self.caches[role].layers]
+        return [
+            (layer.keys[row : row + 1, :, :n], layer.values[row : row + 1, :, :n]) for layer in self.caches[role].layers
+        ]
 
     def check_layout(self) -> None:
         assert len(self.seqs) <= self.capacity, "more rows than slots"

@@ -137,7 +137,9 @@ def _propose(ctx: Context, batch, params: RowParams, u: torch.Tensor | None) -> 
     if proposal.num_proposed is not None:  # drop columns no row uses; each row is unaffected
         k_eff = int(proposal.num_proposed.max())
         probs = proposal.draft_probs
-        proposal = Proposal(proposal.drafts[:, :k_eff], None if probs is None else probs[:, :k_eff], proposal.num_proposed)
+        proposal = Proposal(
+            proposal.drafts[:, :k_eff], None if probs is None else probs[:, :k_eff], proposal.num_proposed
+        )
     return proposal
 
 
