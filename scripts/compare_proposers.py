@@ -13,8 +13,14 @@ import json
 from batchspec import SamplingParams, SpecDecoder, load_pair
 from batchspec.prompts import read_prompts
 
-RUNS = [("ar", None, 1), ("spec1", "draft", 2), ("spec1", "draft", 4), ("spec1", "ngram", 2),
-        ("spec1", "ngram", 4), ("spec1", "ngram", 6)]
+RUNS = [
+    ("ar", None, 1),
+    ("spec1", "draft", 2),
+    ("spec1", "draft", 4),
+    ("spec1", "ngram", 2),
+    ("spec1", "ngram", 4),
+    ("spec1", "ngram", 6),
+]
 
 
 def main() -> None:
@@ -33,8 +39,14 @@ def main() -> None:
             dec = SpecDecoder(pair, method=method, batch_size=1, k=k, proposer=proposer)
             dec.generate(prompts, params)
             s = dec.stats.summary()
-            row = dict(dtype=dtype, method=method, proposer=proposer, k=k,
-                       decode_tokens_per_s=s["decode_tokens_per_s"], mean_accepted=s["mean_accepted"])
+            row = dict(
+                dtype=dtype,
+                method=method,
+                proposer=proposer,
+                k=k,
+                decode_tokens_per_s=s["decode_tokens_per_s"],
+                mean_accepted=s["mean_accepted"],
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:

@@ -51,7 +51,9 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=480)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--hist", default="996,77,40,31,89", help="accepted-count weights for 0..k (default: measured, n-gram k=4)")
+    ap.add_argument(
+        "--hist", default="996,77,40,31,89", help="accepted-count weights for 0..k (default: measured, n-gram k=4)"
+    )
     ap.add_argument("--seeds", type=int, default=3)
     args = ap.parse_args()
     from batchspec.models import load_pair  # only the tokenizer is needed, but it lives in the GGUF
@@ -60,11 +62,18 @@ def main() -> None:
     lengths = [len(tokenizer_pair.encode(p.text)) for p in read_prompts(args.prompts, args.limit)]
     hist = [float(x) for x in args.hist.split(",")]
     b = args.batch_size
-    policies = [("paper: window 4B, groups of B", 4 * b, b), ("groups of B/2", 4 * b, max(1, b // 2)),
-                ("groups of 2", 4 * b, 2), ("window 16B, groups of B", 16 * b, b), ("window 16B, groups of B/2", 16 * b, max(1, b // 2))]
+    policies = [
+        ("paper: window 4B, groups of B", 4 * b, b),
+        ("groups of B/2", 4 * b, max(1, b // 2)),
+        ("groups of 2", 4 * b, 2),
+        ("window 16B, groups of B", 16 * b, b),
+        ("window 16B, groups of B/2", 16 * b, max(1, b // 2)),
+    ]
     print(f"{len(lengths)} prompts, batch {b}, {args.max_new_tokens} new tokens, accepted weights {hist}")
     for name, window, min_group in policies:
-        rates, occ = zip(*(simulate(lengths, b, window, min_group, hist, args.max_new_tokens, s) for s in range(args.seeds)))
+        rates, occ = zip(
+            *(simulate(lengths, b, window, min_group, hist, args.max_new_tokens, s) for s in range(args.seeds))
+        )
         print(f"{name:<30} group rate {statistics.mean(rates):6.1%}   mean occupancy {statistics.mean(occ):5.2f} rows")
 
 

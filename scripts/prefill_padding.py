@@ -23,8 +23,13 @@ def prefill_seconds(model, rows: list[list[int]]) -> float:
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])  # [B, width], left-padded
     start = time.perf_counter()
     with torch.inference_mode():
-        model(input_ids=ids, attention_mask=padding_mask(pad_left, width), position_ids=column_positions(pad_left, 0, width),
-              logits_to_keep=1, use_cache=True)
+        model(
+            input_ids=ids,
+            attention_mask=padding_mask(pad_left, width),
+            position_ids=column_positions(pad_left, 0, width),
+            logits_to_keep=1,
+            use_cache=True,
+        )
     return time.perf_counter() - start
 
 
@@ -40,7 +45,9 @@ def main() -> None:
     prefill_seconds(pair.target, rows[:2])  # warm-up
     for batch in (16, 8, 4, 1):
         total = sum(prefill_seconds(pair.target, rows[i : i + batch]) for i in range(0, len(rows), batch))
-        padded = sum(len(rows[min(i + batch, len(rows)) - 1]) * len(rows[i : i + batch]) for i in range(0, len(rows), batch))
+        padded = sum(
+            len(rows[min(i + batch, len(rows)) - 1]) * len(rows[i : i + batch]) for i in range(0, len(rows), batch)
+        )
         print(f"batch {batch:>2}: {total:6.1f} s, {padded} padded tokens", flush=True)
 
 

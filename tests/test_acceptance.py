@@ -44,7 +44,9 @@ def _first_token_histogram(p, q, trials, k=1, rule=rejection_sample, seed=0):
     vocab = p.shape[-1]
     draft_probs = q.expand(trials, k, vocab)
     target_probs = p.expand(trials, k + 1, vocab)
-    drafts = torch.stack([sample(draft_probs[:, i], torch.rand(trials, generator=gen, dtype=torch.float64)) for i in range(k)], 1)
+    drafts = torch.stack(
+        [sample(draft_probs[:, i], torch.rand(trials, generator=gen, dtype=torch.float64)) for i in range(k)], 1
+    )
     u_accept = torch.rand(trials, k, generator=gen, dtype=torch.float64)
     u_final = torch.rand(trials, generator=gen, dtype=torch.float64)
     out = rule(drafts, draft_probs, target_probs, u_accept, u_final)
@@ -94,17 +96,23 @@ def test_zero_draft_probability_and_empty_residual():
     q = torch.tensor([[[0.0, 0.0, 1.0]]])  # draft token 2 has target prob 0: always rejected
     out = rejection_sample(torch.tensor([[2]]), q, p, torch.tensor([[0.0]]), torch.tensor([0.7]))
     assert out.num_accepted.item() == 0 and out.tokens[0, 0].item() in (0, 1)
-    q_over = (p[:, :1] * 1.01)  # slightly unnormalised (rounding): the residual is empty everywhere
+    q_over = p[:, :1] * 1.01  # slightly unnormalised (rounding): the residual is empty everywhere
     out = rejection_sample(torch.tensor([[1]]), q_over, p, torch.tensor([[0.999]]), torch.tensor([0.3]))
     assert out.num_accepted.item() == 0 and p[0, 0, out.tokens[0, 0]].item() > 0
-    out = rejection_sample(torch.tensor([[1]]), torch.tensor([[[0.5, 0.0, 0.5]]]), p, torch.tensor([[0.1]]), torch.tensor([0.3]))
+    out = rejection_sample(
+        torch.tensor([[1]]), torch.tensor([[[0.5, 0.0, 0.5]]]), p, torch.tensor([[0.1]]), torch.tensor([0.3])
+    )
     assert out.num_accepted.item() == 1  # draft prob 0 but target prob 0.5 > 0: accepted, no division
 
 
 def test_processed_distributions():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]]).to(torch.bfloat16)
     logits[0, 4] = float("-inf")
-    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.8)):
+    for params in (
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.0, top_k=2),
+        SamplingParams(temperature=1.0, top_p=0.8),
+    ):
         probs = probabilities(logits, params)
         assert not probs.isnan().any() and torch.allclose(probs.sum(-1), torch.tensor(1.0))
     assert (probabilities(logits, SamplingParams(temperature=1.0, top_k=2))[0, 2:] == 0).all()

@@ -9,16 +9,56 @@ from batchspec.cli import main
 
 def test_bench_cli_reports_every_field(tmp_path, capsys):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
-    rc = main(["bench", "--pair", "tiny", "--methods", "ar,spec1,eqspec,exspec,ragged", "--batch-sizes", "1,2",
-               "--max-new-tokens", "8", "--quiet", "--json", str(out), "--plot", str(png), "one prompt", "another", "third"])
+    rc = main(
+        [
+            "bench",
+            "--pair",
+            "tiny",
+            "--methods",
+            "ar,spec1,eqspec,exspec,ragged",
+            "--batch-sizes",
+            "1,2",
+            "--max-new-tokens",
+            "8",
+            "--quiet",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+            "one prompt",
+            "another",
+            "third",
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert {"runs", "machine", "models", "costs"} <= set(report)
     runs = {(r["method"], r["batch_size"]) for r in report["runs"]}
-    assert runs == {("ar", 1), ("ar", 2), ("spec1", 1), ("eqspec", 1), ("eqspec", 2), ("exspec", 1), ("exspec", 2), ("ragged", 1), ("ragged", 2)}
+    assert runs == {
+        ("ar", 1),
+        ("ar", 2),
+        ("spec1", 1),
+        ("eqspec", 1),
+        ("eqspec", 2),
+        ("exspec", 1),
+        ("exspec", 2),
+        ("ragged", 1),
+        ("ragged", 2),
+    }
     for r in report["runs"]:
-        for key in ("tokens_per_s", "decode_tokens_per_s", "prefill_s", "mean_tokens_per_step", "accepted_histogram",
-                    "time_share", "vs_ar", "vs_spec1", "speed_of_light_tokens_per_s", "efficiency", "peak_rss_mb"):
+        for key in (
+            "tokens_per_s",
+            "decode_tokens_per_s",
+            "prefill_s",
+            "mean_tokens_per_step",
+            "accepted_histogram",
+            "time_share",
+            "vs_ar",
+            "vs_spec1",
+            "speed_of_light_tokens_per_s",
+            "efficiency",
+            "peak_rss_mb",
+        ):
             assert key in r, key
         assert set(r["time_share"]) >= {"draft", "verify", "realign", "schedule", "other"}
         assert r["tokens_per_s"] > 0 and 0 < r["efficiency"]
@@ -32,8 +72,24 @@ def test_bench_cli_reports_every_field(tmp_path, capsys):
 def test_bench_passes_engine_options_to_every_run(tmp_path):
     # --min-group 1 lets EXSPEC run even a single sequence unpadded: more steps become groups.
     out = tmp_path / "b.json"
-    base = ["bench", "--pair", "tiny", "--methods", "exspec", "--batch-sizes", "3", "--max-new-tokens", "12", "--quiet",
-            "--json", str(out), "a first prompt", "the second one, longer", "3", "four four four"]
+    base = [
+        "bench",
+        "--pair",
+        "tiny",
+        "--methods",
+        "exspec",
+        "--batch-sizes",
+        "3",
+        "--max-new-tokens",
+        "12",
+        "--quiet",
+        "--json",
+        str(out),
+        "a first prompt",
+        "the second one, longer",
+        "3",
+        "four four four",
+    ]
     assert main(base) == 0
     default_rate = json.loads(out.read_text())["runs"][0]["group_rate"]
     assert main(base + ["--min-group", "1", "--window-size", "3"]) == 0
@@ -44,10 +100,32 @@ def test_bench_passes_engine_options_to_every_run(tmp_path):
 
 def test_generate_cli_writes_results_in_input_order(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"prompt number {i}", "x"]}) for i in range(5)))
+    prompts.write_text(
+        "\n".join(
+            json.dumps({"question_id": i, "category": "c", "turns": [f"prompt number {i}", "x"]}) for i in range(5)
+        )
+    )
     out = tmp_path / "o.json"
-    rc = main(["generate", "--pair", "tiny", "--method", "exspec", "--batch-size", "2", "--prompts", str(prompts),
-               "--limit", "4", "--max-new-tokens", "6", "--quiet", "--json", str(out)])
+    rc = main(
+        [
+            "generate",
+            "--pair",
+            "tiny",
+            "--method",
+            "exspec",
+            "--batch-size",
+            "2",
+            "--prompts",
+            str(prompts),
+            "--limit",
+            "4",
+            "--max-new-tokens",
+            "6",
+            "--quiet",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     assert [r["prompt"] for r in data["results"]] == [f"prompt number {i}" for i in range(4)]

@@ -83,7 +83,9 @@ def test_left_padded_batch_equals_single_rows(draft, pair):
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.inference_mode():
-        batched = draft(input_ids=ids, attention_mask=mask, position_ids=pos, cache=DynamicCache(config=draft.config)).logits
+        batched = draft(
+            input_ids=ids, attention_mask=mask, position_ids=pos, cache=DynamicCache(config=draft.config)
+        ).logits
         for b, row in enumerate(rows):
             alone = draft(input_ids=torch.tensor([row])).logits[0]
             torch.testing.assert_close(batched[b, width - len(row) :], alone, atol=1e-4, rtol=1e-4)
@@ -113,7 +115,9 @@ def test_reduced_head_sampling_distribution_covers_the_full_vocabulary(pair):
 
     proposer = DraftProposer(pair.draft, pair.vocab_size, pair.draft.vocab_ids)
     logits = torch.randn(3, len(pair.draft.vocab_ids))
-    tokens, probs = proposer._pick(logits, SamplingParams(temperature=0.8, top_p=0.95), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
+    tokens, probs = proposer._pick(
+        logits, SamplingParams(temperature=0.8, top_p=0.95), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    )
     assert probs.shape == (3, pair.vocab_size)
     torch.testing.assert_close(probs.sum(-1), torch.ones(3))
     outside = torch.ones(pair.vocab_size, dtype=torch.bool)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 
 import torch
+from helpers import random_prompts
 
 from batchspec import SamplingParams, SpecDecoder, tiny_pair
 from batchspec.cli import main
 from batchspec.equivalence import classify, first_divergence, tolerance, verify
-
-from helpers import random_prompts
 
 
 def test_first_divergence():
@@ -22,7 +21,11 @@ def test_first_divergence():
 
 def test_planted_corruption_is_unexplained(tiny32):
     prompt = random_prompts(40, 1, 10, 10)[0]
-    ref = SpecDecoder(tiny32, method="reference").generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))[0].token_ids
+    ref = (
+        SpecDecoder(tiny32, method="reference")
+        .generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
+        .token_ids
+    )
     logits = tiny32.target(input_ids=torch.tensor([prompt + ref[:7]])).logits[0, -1]
     bad = ref[:7] + [int(logits.argmin())] + ref[8:]
     d = classify(tiny32.target, prompt, ref, bad, prompt=0)
@@ -32,12 +35,20 @@ def test_planted_corruption_is_unexplained(tiny32):
 def test_planted_near_tie_swap_is_a_near_tie():
     pair = tiny_pair(dtype=torch.float32)
     prompt = random_prompts(41, 1, 12, 12)[0]
-    ref0 = SpecDecoder(pair, method="reference").generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))[0].token_ids
+    ref0 = (
+        SpecDecoder(pair, method="reference")
+        .generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
+        .token_ids
+    )
     y = ref0[5]
     x = next(t for t in range(200) if t not in ref0 and t != y)
     with torch.no_grad():  # token x's output row = token y's, shrunk by 1e-7: a near-tie wherever y wins
         pair.target.lm_head.weight[x] = pair.target.lm_head.weight[y] * (1 - 1e-7)
-    ref = SpecDecoder(pair, method="reference").generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))[0].token_ids
+    ref = (
+        SpecDecoder(pair, method="reference")
+        .generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
+        .token_ids
+    )
     t = ref.index(y)
     swapped = ref[:t] + [x] + ref[t + 1 :]
     d = classify(pair.target, prompt, ref, swapped, prompt=0)
@@ -50,7 +61,15 @@ def test_tolerance_scales_with_dtype():
 
 def test_broken_baselines_are_caught_and_correct_methods_are_exact(tiny32):
     prompts = random_prompts(42, 10, 1, 64)
-    report = verify(tiny32, prompts, ["eqspec", "exspec", "ragged", "bsp", "dsd"], [1, 4], SamplingParams(max_new_tokens=32), k=4, progress=False)
+    report = verify(
+        tiny32,
+        prompts,
+        ["eqspec", "exspec", "ragged", "bsp", "dsd"],
+        [1, 4],
+        SamplingParams(max_new_tokens=32),
+        k=4,
+        progress=False,
+    )
     by = {(r["method"], r["batch_size"]): r for r in report["runs"]}
     for b in (1, 4):
         for m in ("eqspec", "exspec", "ragged"):
@@ -62,10 +81,36 @@ def test_broken_baselines_are_caught_and_correct_methods_are_exact(tiny32):
 
 def test_verify_cli_writes_json(tmp_path, capsys):
     out = tmp_path / "v.json"
-    rc = main(["verify", "--pair", "tiny", "--max-new-tokens", "12", "--methods", "eqspec,bsp", "--batch-sizes", "1,2",
-               "--quiet", "--json", str(out), "hello there", "a second prompt"])
+    rc = main(
+        [
+            "verify",
+            "--pair",
+            "tiny",
+            "--max-new-tokens",
+            "12",
+            "--methods",
+            "eqspec,bsp",
+            "--batch-sizes",
+            "1,2",
+            "--quiet",
+            "--json",
+            str(out),
+            "hello there",
+            "a second prompt",
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
-    keys = {"method", "batch_size", "dtype", "n_prompts", "exact_match", "prefix_match", "divergences", "near_ties", "unexplained"}
+    keys = {
+        "method",
+        "batch_size",
+        "dtype",
+        "n_prompts",
+        "exact_match",
+        "prefix_match",
+        "divergences",
+        "near_ties",
+        "unexplained",
+    }
     assert len(report["runs"]) == 4 and all(keys <= set(r) for r in report["runs"])
     assert "exact" in capsys.readouterr().out

@@ -4,12 +4,11 @@ cache slices survive split-then-stack unchanged."""
 from __future__ import annotations
 
 import torch
+from helpers import decode, random_prompts, reference_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec import SamplingParams, SpecDecoder, kv
-
-from helpers import decode, random_prompts, reference_tokens
 
 
 @given(
@@ -30,7 +29,9 @@ def test_exspec_equals_reference(tiny64, seed, n, batch, extra, k, max_new):
 @given(seed=st.integers(0, 10**6), batch=st.integers(1, 5), min_group=st.integers(1, 5))
 def test_exspec_invariants_and_partial_groups(tiny64, seed, batch, min_group):
     prompts = random_prompts(seed, 10, 1, 6)  # short prompts: many equal lengths, real groups
-    got = decode(tiny64, prompts, 20, method="exspec", batch_size=batch, min_group=min_group, k=3, check_invariants=True)
+    got = decode(
+        tiny64, prompts, 20, method="exspec", batch_size=batch, min_group=min_group, k=3, check_invariants=True
+    )
     assert got == reference_tokens(tiny64, prompts, 20)
 
 
@@ -41,7 +42,9 @@ def test_results_come_back_in_input_order(tiny64):
     assert [o.index for o in outs] == list(range(6))
     assert [o.prompt_token_ids for o in outs] == prompts
     assert [o.token_ids for o in outs] == reference_tokens(tiny64, prompts, 25)
-    assert 0.0 <= dec.stats.summary()["group_rate"] <= 1.0
+    stats = dec.stats.summary()  # fixed inputs, float64: the schedule is deterministic
+    assert (stats["decode_steps"], stats["group_decisions"]) == (27, 3)
+    assert stats["group_rate"] == 4 / 27
 
 
 def test_group_rate_counts_unpadded_steps(tiny_same):
@@ -58,7 +61,10 @@ def test_split_then_stack_is_identity(tiny64):
     heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
     counts = [5, 2, 7]
     width = max(counts)
-    seqs = [[(torch.randn(1, heads, n, dim), torch.randn(1, heads, n, dim)) for _ in range(config.num_hidden_layers)] for n in counts]
+    seqs = [
+        [(torch.randn(1, heads, n, dim), torch.randn(1, heads, n, dim)) for _ in range(config.num_hidden_layers)]
+        for n in counts
+    ]
     cache = kv.stack(config, seqs, counts)
     assert kv.width(cache) == width
     back = kv.split(cache, [width - n for n in counts])

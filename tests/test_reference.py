@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import torch
+from helpers import decode, random_prompts, reference_tokens
 from hypothesis import given
 from hypothesis import strategies as st
 
 from batchspec import SamplingParams, SpecDecoder
-
-from helpers import decode, random_prompts, reference_tokens
 
 
 def test_reference_equals_transformers_generate(tiny32):
@@ -18,9 +17,13 @@ def test_reference_equals_transformers_generate(tiny32):
         ours = SpecDecoder(pair, method="reference").generate([prompt], SamplingParams(max_new_tokens=40))[0]
         ids = torch.tensor([prompt])
         hf = pair.target.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
-            eos_token_id=sorted(pair.eos_ids), pad_token_id=pair.pad_id,
-        )[0, len(prompt):].tolist()
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=40,
+            eos_token_id=sorted(pair.eos_ids),
+            pad_token_id=pair.pad_id,
+        )[0, len(prompt) :].tolist()
         if ours.finish_reason == "stop":  # HF pads after EOS
             hf = hf[: len(ours.token_ids)]
         assert ours.token_ids == hf
@@ -65,14 +68,18 @@ def test_spec1_all_accepted_when_draft_is_target(tiny_same):
     for o in outs:
         assert o.accepted_per_step[:-1] == [5] * (len(o.accepted_per_step) - 1)  # k+1 tokens per step
         assert len(o.token_ids) == 37
-    ref = SpecDecoder(tiny_same, method="reference").generate(prompts, SamplingParams(max_new_tokens=37, ignore_eos=True))
+    ref = SpecDecoder(tiny_same, method="reference").generate(
+        prompts, SamplingParams(max_new_tokens=37, ignore_eos=True)
+    )
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
 
 
 def test_eos_inside_an_accepted_run_stops_there(tiny_same):
     """With every draft accepted, an EOS in the middle of a k+1 chunk must end the row there."""
     prompt = random_prompts(4, 1, 10, 10)[0]
-    plain = SpecDecoder(tiny_same, method="reference").generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    plain = SpecDecoder(tiny_same, method="reference").generate(
+        [prompt], SamplingParams(max_new_tokens=30, ignore_eos=True)
+    )[0]
     eos = plain.token_ids[7]  # a token the target emits mid-run
     first = plain.token_ids.index(eos)
     tiny_same.eos_ids, saved = frozenset([eos]), tiny_same.eos_ids

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import random_prompts
+from test_acceptance import _chi2, chi2_critical
 
 import batchspec.acceptance
 from batchspec import SamplingParams, SpecDecoder, tiny_pair
 from batchspec.sampling import probabilities
-
-from helpers import random_prompts
-from test_acceptance import _chi2, chi2_critical
 
 
 def _sample(pair, prompts, method, batch, seeds, params, k=3):
@@ -20,10 +19,13 @@ def _sample(pair, prompts, method, batch, seeds, params, k=3):
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.8, max_new_tokens=30),
-    SamplingParams(temperature=1.0, top_p=0.9, top_k=40, max_new_tokens=30),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, max_new_tokens=30),
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=40, max_new_tokens=30),
+    ],
+)
 def test_seed_gives_same_tokens_across_batch_sizes_and_methods(tiny64, params):
     prompts = random_prompts(50, 9, 1, 40)
     seeds = [7] * 4 + [11, 12, 13, 14, 15]
@@ -54,7 +56,10 @@ def _joint_frequencies(pair, prompt, params, trials, method="eqspec"):
 def _exact_joint(pair, prompt, params):
     model = pair.target
     p1 = probabilities(model(input_ids=torch.tensor([prompt])).logits[0, -1], params).double()
-    rows = [probabilities(model(input_ids=torch.tensor([prompt + [t]])).logits[0, -1], params).double() for t in range(pair.vocab_size)]
+    rows = [
+        probabilities(model(input_ids=torch.tensor([prompt + [t]])).logits[0, -1], params).double()
+        for t in range(pair.vocab_size)
+    ]
     return (p1[:, None] * torch.stack(rows)).flatten()
 
 
@@ -65,7 +70,10 @@ def small_vocab_pair():
     return pair
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, max_new_tokens=2), SamplingParams(temperature=1.3, top_k=5, max_new_tokens=2)])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0, max_new_tokens=2), SamplingParams(temperature=1.3, top_k=5, max_new_tokens=2)],
+)
 def test_first_two_tokens_follow_the_target(small_vocab_pair, params):
     prompt = [1, 5, 2, 6]
     trials = 6000

@@ -34,9 +34,7 @@ def accepted_prefix(matches: torch.Tensor) -> torch.Tensor:
     return matches.long().cumprod(dim=-1).sum(dim=-1)
 
 
-def greedy_accept(
-    drafts: torch.Tensor, target_logits: torch.Tensor, limit: torch.Tensor | None = None
-) -> Outcome:
+def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor, limit: torch.Tensor | None = None) -> Outcome:
     """drafts [B, k], target_logits [B, k+1, V], limit [B] (drafts actually proposed) -> Outcome.
 
     Accept while the draft equals the target's argmax; the target's argmax at the first mismatch

@@ -22,7 +22,7 @@ import torch
 from . import kv
 from .acceptance import Outcome, accept
 from .batch import PaddedBatch, padding_mask
-from .engine import run_static
+from .static import run_static
 
 
 class BSPBatch(PaddedBatch):
@@ -60,7 +60,9 @@ class BSPBatch(PaddedBatch):
 
     def realign(self):
         finished = [s for s in self.seqs if s.finished]
-        accepted = torch.tensor([s.accepted_per_step[-1] if s.accepted_per_step else 0 for s in self.seqs], device=self.device)
+        accepted = torch.tensor(
+            [s.accepted_per_step[-1] if s.accepted_per_step else 0 for s in self.seqs], device=self.device
+        )
         for role in self.caches:
             width, fed, block = self.cache_width(role), self.fed[role], self.block[role]
             drafts = fed - block  # draft columns fed after the pending block
@@ -97,7 +99,8 @@ class DSDBatch(PaddedBatch):
         return finished
 
     def check_layout(self) -> None:  # padding accumulates by design
-        assert bool(padding_mask(self.pad_left, self.width).sum(1).eq(torch.tensor([len(s) for s in self.seqs])).all())
+        lengths = torch.tensor([len(s) for s in self.seqs], device=self.device)
+        assert bool(padding_mask(self.pad_left, self.width).sum(1).eq(lengths).all()), "mask does not cover the rows"
 
 
 def dsd_accept(drafts, target_logits, draft_probs, target_probs, u_accept, u_final, limit) -> Outcome:

@@ -10,7 +10,6 @@ are measured once per repeat and listed at batch size 1.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -22,11 +21,10 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
+from . import methods
 from .config import EngineConfig, SamplingParams
 from .costs import cost_table, speed_of_light
 from .engine import SpecDecoder
-
-UNBATCHED = ("spec1", "reference")
 
 
 class PeakMemory:
@@ -63,10 +61,10 @@ class PeakMemory:
         return out
 
 
-def combos(methods: list[str], batch_sizes: list[int]) -> list[tuple[str, int]]:
+def combos(names: list[str], batch_sizes: list[int]) -> list[tuple[str, int]]:
     out = []
-    for m in methods:
-        out += [(m, 1)] if m in UNBATCHED else [(m, b) for b in batch_sizes]
+    for m in names:
+        out += [(m, b) for b in batch_sizes] if methods.get(m).batched else [(m, 1)]
     return out
 
 
@@ -77,11 +75,12 @@ def run_one(pair, prompts, method, batch, params, k, proposer, options) -> dict:
     return dec.stats.summary() | mem.summary() | {"proposer": dec.proposer_name}
 
 
-def bench(pair, prompts, methods, batch_sizes, params: SamplingParams, k=4, proposer=None, repeats=1, progress=True,
-          **options) -> dict:
+def bench(
+    pair, prompts, names, batch_sizes, params: SamplingParams, k=4, proposer=None, repeats=1, progress=True, **options
+) -> dict:
     """Run everything; returns the JSON-ready report. `options`: further EngineConfig fields
     (window_size, min_group, kv_budget_tokens, ...) for every run."""
-    runs = combos(methods, batch_sizes)
+    runs = combos(names, batch_sizes)
     for method, batch in tqdm(runs, desc="warm-up", disable=not progress, leave=False):
         run_one(pair, prompts[:2], method, batch, SamplingParams(max_new_tokens=8), k, proposer, options)
     samples: dict = {c: [] for c in runs}
@@ -97,9 +96,17 @@ def bench(pair, prompts, methods, batch_sizes, params: SamplingParams, k=4, prop
     costs = cost_table(pair.target, pair.draft if has_draft else None, sorted({b for _, b in runs}), k, context)
     report_runs = [_summarise(m, b, samples[(m, b)], costs, k, has_draft) for m, b in runs]
     _ratios(report_runs)
-    return {"runs": report_runs, "costs": _json_costs(costs), "machine": machine(pair), "models": pair.describe(),
-            "k": k, "max_new_tokens": params.max_new_tokens, "n_prompts": len(prompts), "repeats": repeats,
-            "options": {key: v for key, v in options.items() if v is not None}}
+    return {
+        "runs": report_runs,
+        "costs": _json_costs(costs),
+        "machine": machine(pair),
+        "models": pair.describe(),
+        "k": k,
+        "max_new_tokens": params.max_new_tokens,
+        "n_prompts": len(prompts),
+        "repeats": repeats,
+        "options": {key: v for key, v in options.items() if v is not None},
+    }
 
 
 def _encoded(pair, prompts):
@@ -110,19 +117,37 @@ def _summarise(method, batch, samples, costs, k, has_draft) -> dict:
     """Median over repeats of throughput; the rest from the median run."""
     ordered = sorted(samples, key=lambda s: s["tokens_per_s"])
     mid = ordered[len(ordered) // 2]
-    sol = speed_of_light(costs, method, batch, k, mid["mean_tokens_per_step"], has_draft and method not in ("ar", "reference"))
-    keys = ("tokens_per_s", "decode_tokens_per_s", "prefill_s", "wall_s", "tokens", "mean_tokens_per_step", "mean_accepted",
-            "mean_batch_occupancy", "accepted_histogram", "time_share", "peak_rss_mb", "peak_cuda_mb", "group_rate", "proposer")
-    return {"method": method, "batch_size": batch} | {key: mid[key] for key in keys if key in mid} | {
-        "tokens_per_s_repeats": [s["tokens_per_s"] for s in samples],
-        "speed_of_light_tokens_per_s": sol,
-        "efficiency": mid["decode_tokens_per_s"] / sol,
-    }
+    sol = speed_of_light(costs, method, batch, k, mid["mean_tokens_per_step"], has_draft)
+    keys = (
+        "tokens_per_s",
+        "decode_tokens_per_s",
+        "prefill_s",
+        "wall_s",
+        "tokens",
+        "mean_tokens_per_step",
+        "mean_accepted",
+        "mean_batch_occupancy",
+        "accepted_histogram",
+        "time_share",
+        "peak_rss_mb",
+        "peak_cuda_mb",
+        "group_rate",
+        "proposer",
+    )
+    return (
+        {"method": method, "batch_size": batch}
+        | {key: mid[key] for key in keys if key in mid}
+        | {
+            "tokens_per_s_repeats": [s["tokens_per_s"] for s in samples],
+            "speed_of_light_tokens_per_s": sol,
+            "efficiency": mid["decode_tokens_per_s"] / sol,
+        }
+    )
 
 
 def _ratios(runs: list[dict]) -> None:
-    ar = {r["batch_size"]: r["tokens_per_s"] for r in runs if r["method"] == "ar"}
-    spec1 = next((r["tokens_per_s"] for r in runs if r["method"] == "spec1"), None)
+    ar = {r["batch_size"]: r["tokens_per_s"] for r in runs if r["method"] == methods.PLAIN_BASELINE}
+    spec1 = next((r["tokens_per_s"] for r in runs if r["method"] == methods.SPEC_BASELINE), None)
     for r in runs:
         r["vs_ar"] = r["tokens_per_s"] / ar[r["batch_size"]] if r["batch_size"] in ar else None
         r["vs_spec1"] = r["tokens_per_s"] / spec1 if spec1 else None
@@ -151,8 +176,10 @@ def machine(pair) -> dict:
 
 
 def table(report: dict) -> str:
-    head = (f"{'method':<9}{'B':>4}{'tok/s':>9}{'decode':>9}{'tok/step':>9}{'vs ar':>7}{'vs spec1':>9}{'SoL':>8}{'eff':>6}"
-            f"{'draft':>7}{'verify':>7}{'realign':>8}{'sched':>7}{'prefill':>8}{'other':>7}")
+    head = (
+        f"{'method':<9}{'B':>4}{'tok/s':>9}{'decode':>9}{'tok/step':>9}{'vs ar':>7}{'vs spec1':>9}{'SoL':>8}{'eff':>6}"
+        f"{'draft':>7}{'verify':>7}{'realign':>8}{'sched':>7}{'prefill':>8}{'other':>7}"
+    )
     lines = [head, "-" * len(head)]
     fmt = lambda x, f: format("-", f.split(".")[0]) if x is None else format(x, f)  # noqa: E731
     for r in report["runs"]:
@@ -161,7 +188,10 @@ def table(report: dict) -> str:
             f"{r['method']:<9}{r['batch_size']:>4}{r['tokens_per_s']:>9.1f}{r['decode_tokens_per_s']:>9.1f}"
             f"{r['mean_tokens_per_step']:>9.2f}{fmt(r['vs_ar'], '>7.2f')}{fmt(r['vs_spec1'], '>9.2f')}"
             f"{r['speed_of_light_tokens_per_s']:>8.1f}{r['efficiency']:>6.2f}"
-            + "".join(f"{sh.get(s, 0.0):>{w}.0%}" for s, w in (("draft", 7), ("verify", 7), ("realign", 8), ("schedule", 7), ("prefill", 8), ("other", 7)))
+            + "".join(
+                f"{sh.get(s, 0.0):>{w}.0%}"
+                for s, w in (("draft", 7), ("verify", 7), ("realign", 8), ("schedule", 7), ("prefill", 8), ("other", 7))
+            )
         )
     return "\n".join(lines)
 
@@ -177,7 +207,7 @@ def plot(report: dict, path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     for method in dict.fromkeys(r["method"] for r in runs):
         rs = [r for r in runs if r["method"] == method]
-        if method in UNBATCHED:
+        if not methods.get(method).batched:
             left.axhline(rs[0]["tokens_per_s"], linestyle="--", color="gray", label=f"{method} (one at a time)")
         else:
             left.plot([r["batch_size"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=method)
@@ -197,24 +227,10 @@ def plot(report: dict, path: str) -> None:
     right.set_xticks(range(len(runs)), labels, fontsize=7, rotation=90)
     right.set(ylabel="share of wall time", title="Where the time goes")
     right.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.suptitle(f"{report['models']['pair']} ({report['models']['dtype']}), k={report['k']}, {report['n_prompts']} prompts x {report['max_new_tokens']} new tokens")
+    fig.suptitle(
+        f"{report['models']['pair']} ({report['models']['dtype']}), k={report['k']}, "
+        f"{report['n_prompts']} prompts x {report['max_new_tokens']} new tokens"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    from .cli import comparison_inputs, engine_options, write_json
-    from .errors import BatchspecError
-
-    if args.repeats < 1:
-        raise BatchspecError(f"--repeats must be >= 1, got {args.repeats}")
-    params, methods, batch_sizes, prompts, pair = comparison_inputs(args)
-    report = bench(pair, prompts, methods, batch_sizes, params, repeats=args.repeats, progress=not args.quiet, **engine_options(args))
-    report["command"] = "batchspec " + " ".join(sys.argv[1:])
-    print(table(report))
-    if args.json:
-        write_json(args.json, report)
-    if args.plot:
-        plot(report, args.plot)
-    return 0

@@ -9,13 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import methods
 from .errors import BatchspecError
 
-#: Correct methods, in the order the CLI lists them. `bsp` and `dsd` are deliberately broken
-#: reproductions (see `baselines.py`) and are accepted too.
-METHODS = ("reference", "ar", "spec1", "eqspec", "exspec", "ragged")
-BROKEN_METHODS = ("bsp", "dsd")
-SPECULATIVE_METHODS = ("spec1", "eqspec", "exspec", "ragged", "bsp", "dsd")
 PROPOSERS = ("draft", "ngram")
 
 
@@ -67,7 +63,7 @@ class EngineConfig:
     ragged layout's preallocated cache (default: the longest request it is given).
     """
 
-    method: str = "eqspec"
+    method: str = methods.DEFAULT_METHOD
     k: int = 4
     batch_size: int = 8
     proposer: str | None = None  # "draft" | "ngram"; None: the pair's default
@@ -78,10 +74,7 @@ class EngineConfig:
     progress: bool = False
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS + BROKEN_METHODS:
-            raise BatchspecError(
-                f"unknown method {self.method!r}; choose one of {', '.join(METHODS + BROKEN_METHODS)}"
-            )
+        methods.get(self.method)  # raises for an unknown name
         if not _is_int(self.k) or self.k < 1:
             raise BatchspecError(f"k (draft tokens per step) must be an integer >= 1, got {self.k!r}")
         if not _is_int(self.batch_size) or self.batch_size < 1:
@@ -93,9 +86,7 @@ class EngineConfig:
             if value is not None and (not _is_int(value) or value < 1):
                 raise BatchspecError(f"{name} must be an integer >= 1, got {value!r}")
         if self.window_size is not None and self.window_size < self.batch_size:
-            raise BatchspecError(
-                f"window_size ({self.window_size}) must be >= batch_size ({self.batch_size})"
-            )
+            raise BatchspecError(f"window_size ({self.window_size}) must be >= batch_size ({self.batch_size})")
 
     @property
     def window(self) -> int:
@@ -107,4 +98,4 @@ class EngineConfig:
 
     @property
     def speculative(self) -> bool:
-        return self.method in SPECULATIVE_METHODS
+        return methods.get(self.method).speculative

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from . import kv
+from . import kv, methods
 
 
 @torch.inference_mode()
@@ -28,7 +28,12 @@ def forward_seconds(model, batch: int, query: int, context: int, repeats: int = 
     gen = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
     cache = kv.empty(model.config)
-    model(input_ids=torch.randint(vocab, (batch, context), generator=gen).to(device), cache=cache, use_cache=True, logits_to_keep=1)
+    model(
+        input_ids=torch.randint(vocab, (batch, context), generator=gen).to(device),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     ids = torch.randint(vocab, (batch, query), generator=gen).to(device)
     times = []
     for _ in range(repeats):
@@ -59,7 +64,7 @@ def cost_table(target, draft, batch_sizes: list[int], k: int, context: int) -> d
 def speed_of_light(table: dict, method: str, batch: int, k: int, tokens_per_step: float, has_draft: bool) -> float:
     """Decode tokens/s of a full batch with zero overhead, at the measured tokens per step."""
     target = table["target"][batch]
-    if method in ("ar", "reference"):
+    if not methods.get(method).speculative:
         return batch / target[1]
     draft = k * table["draft"][batch][1] if has_draft else 0.0
     return batch * tokens_per_step / (draft + target[k + 1])

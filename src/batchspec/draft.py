@@ -8,7 +8,7 @@ a few per cent of a target forward.
 
 Weights live in `weights/smollm2_draft.safetensors` (layers, final norm, head, vocab_ids; bf16);
 the embedding is not stored: `load_default_draft` shares the target's matrix. Hyper-parameters and
-training metadata are in `weights/smollm2_draft.json`. `scripts/train_draft.py` produces both.
+training metadata are in `weights/smollm2_draft.json`. `python scripts/train_draft` produces both.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class SmolDraft(torch.nn.Module):
 
     def __init__(self, config: LlamaConfig, vocab_ids: torch.Tensor):
         super().__init__()
-        self.config = config  # num_hidden_layers = N: DynamicCache(config=...) makes N layers
+        self.config = config  # num_hidden_layers = N: a cache for this config has N layers
         self.model = LlamaModel(config)  # embed_tokens [V, H] is replaced by the target's at load
         self.lm_head = torch.nn.Linear(config.hidden_size, len(vocab_ids), bias=False)  # [V_r, H]
         self.register_buffer("vocab_ids", torch.as_tensor(vocab_ids, dtype=torch.long).clone())  # [V_r]
@@ -85,7 +85,7 @@ class SmolDraft(torch.nn.Module):
         input_ids: torch.Tensor,  # [B, q]
         attention_mask: torch.Tensor | None = None,  # [B, past + q], 0 on (left) pads
         position_ids: torch.Tensor | None = None,  # [B, q]
-        cache=None,  # DynamicCache with N layers, grown in place
+        cache=None,  # a transformers Cache with N layers (kv.py), written in place
         use_cache: bool = True,
         logits_to_keep: int = 0,  # 0: every position; n: the last n
         **_ignored,
@@ -109,7 +109,9 @@ class SmolDraft(torch.nn.Module):
 def save_draft(model: SmolDraft, meta: dict, weights: str = DRAFT_FILE, meta_file: str = META_FILE) -> None:
     """Write the weights (bf16, no embedding) and the metadata JSON."""
     os.makedirs(os.path.dirname(weights), exist_ok=True)
-    save_file(model.stored_state(), weights, metadata={"format": "pt", "num_layers": str(model.config.num_hidden_layers)})
+    save_file(
+        model.stored_state(), weights, metadata={"format": "pt", "num_layers": str(model.config.num_hidden_layers)}
+    )
     with open(meta_file, "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")
@@ -120,7 +122,9 @@ def build_draft(target, state: dict[str, torch.Tensor], num_layers: int) -> Smol
     model = SmolDraft(draft_config(target.config, num_layers), state["vocab_ids"])
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {EMBED_KEY}:
-        raise ValueError(f"draft weights do not fit: missing {sorted(set(missing) - {EMBED_KEY})}, unexpected {unexpected}")
+        raise ValueError(
+            f"draft weights do not fit: missing {sorted(set(missing) - {EMBED_KEY})}, unexpected {unexpected}"
+        )
     model.tie_embedding(target.model.embed_tokens.weight)
     return model
 

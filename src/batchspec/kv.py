@@ -1,15 +1,20 @@
-"""The only code that reads or writes the padded layout's KV caches.
+"""The only code that knows transformers' `Cache` classes: every KV cache batchspec uses.
 
-`BufferCache` is a transformers `Cache` whose layers keep keys/values in preallocated buffers
-[B, H_kv, capacity, D]; columns [0, width) are the cache. A forward writes its new columns in
-place (the buffer doubles when full), so feeding a token costs no copy of the cache; transformers'
-`DynamicCache` concatenates, i.e. copies every layer's whole cache on every forward. Each
-function that moves entries (gather, stack) writes into a fresh buffer with `RESERVE` spare
-columns, enough for one speculative step without growing.
+- `BufferCache` (padded layouts: EQSPEC, EXSPEC's stacks, static batches): layers keep keys and
+  values in preallocated buffers [B, H_kv, capacity, D]; columns [0, width) are the cache. A
+  forward writes its new columns in place (the buffer doubles when full), so feeding a token costs
+  no copy of the cache; transformers' `DynamicCache` concatenates, i.e. copies every layer's whole
+  cache on every forward. Each function that moves entries (gather, stack) writes into a fresh
+  buffer with `RESERVE` spare columns, enough for one speculative step without growing.
+- `SlotCache` (the `ragged` layout) keeps one preallocated buffer per layer, [capacity, H_kv, S, D];
+  before each forward the batch says which rows run, where each row writes (`write_index`) and how
+  many slots are attended (`span`). Rows never move unless one is retired.
+- `reference_cache` is transformers' own `DynamicCache`, for the oracle and the invariant checker:
+  they must not share this module's buffer code, so a bug here cannot hide in both.
 
 Which columns are real and which are padding is not the cache's business: the caller (a padded
-batch, a per-sequence store) keeps that. `SeqKV` is one sequence's share: a list over layers of
-(keys, values) [1, H_kv, n, D] holding its n real entries, oldest first.
+batch, a per-sequence store, the ragged batch) keeps that. `SeqKV` is one sequence's share: a
+list over layers of (keys, values) [1, H_kv, n, D] holding its n real entries, oldest first.
 
 Only full-attention models are supported (`models.check_supported` refuses the rest).
 """
@@ -17,7 +22,7 @@ Only full-attention models are supported (`models.check_supported` refuses the r
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 SeqKV = list[tuple[torch.Tensor, torch.Tensor]]
 RESERVE = 32  # spare columns allocated past the width whenever entries are moved
@@ -81,6 +86,22 @@ def empty(config) -> BufferCache:
     return BufferCache(config)
 
 
+def reference_cache(config) -> DynamicCache:
+    """transformers' plain growing cache (the oracle's; independent of this module's buffers)."""
+    return DynamicCache(config=config)
+
+
+def unsupported_layers(config) -> set[str]:
+    """Names of the cache layer types this config needs that are not plain full attention
+    (sliding windows, recurrent state); empty when the model is supported."""
+    return {type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer}
+
+
+def count(layers: SeqKV) -> int:
+    """Entries held by one sequence's share."""
+    return layers[0][0].shape[2] if layers else 0
+
+
 def width(cache: Cache) -> int:
     """Number of columns (the same for every layer and row)."""
     return cache.get_seq_length()
@@ -94,18 +115,6 @@ def tensors(cache: Cache) -> SeqKV:
         for layer in cache.layers
         if layer.is_initialized
     ]
-
-
-def from_tensors(config, layers: SeqKV, room: bool = False) -> BufferCache:
-    """A cache holding these per-layer tensors: as they are, or copied into buffers with
-    `RESERVE` spare columns (`room`)."""
-    cache = BufferCache(config)
-    for layer, (keys, values) in zip(cache.layers, layers):
-        width_ = keys.shape[2]
-        if room:
-            keys, values = _room(keys, width_ + RESERVE), _room(values, width_ + RESERVE)
-        layer.hold(keys, values, width_)
-    return cache
 
 
 def crop(cache: BufferCache, n: int) -> None:
@@ -184,3 +193,78 @@ def pad_columns_left(cache: BufferCache, n: int) -> None:
             keys = _room(torch.nn.functional.pad(layer.keys[:, :, : layer.width], (0, 0, n, 0)), width_ + RESERVE)
             values = _room(torch.nn.functional.pad(layer.values[:, :, : layer.width], (0, 0, n, 0)), width_ + RESERVE)
             layer.hold(keys, values, width_)
+
+
+# --- the ragged layout's per-row slots ---------------------------------------------------------
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's buffers; `update` scatters the new keys/values at the cache's write index."""
+
+    is_sliding = False
+
+    def __init__(self, owner: SlotCache, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.owner, self.keys, self.values = owner, keys, values
+        self.is_initialized, self.device = True, keys.device
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist from the start
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """key_states [n, H, q, D] -> the n active rows' keys/values over slots [0, span)."""
+        n, span, index = self.owner.rows, self.owner.span, self.owner.write_index  # index [n, q]
+        idx = index[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[3])
+        keys, values = self.keys[:n], self.values[:n]
+        keys.scatter_(2, idx, key_states)
+        values.scatter_(2, idx, value_states)
+        return keys[:, :, :span], values[:, :, :span]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.span, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.span
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class SlotCache(Cache):
+    """A transformers Cache over preallocated per-row slots [capacity, H_kv, slots, D] per layer.
+    Before each forward the batch sets `rows` (active rows 0..n-1), `write_index` [n, q] and
+    `span` (slots attended)."""
+
+    def __init__(self, config, capacity: int, slots: int, dtype: torch.dtype, device):
+        heads = config.num_key_value_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (capacity, heads, slots, dim)
+
+        def buffer() -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        super().__init__(layers=[SlotLayer(self, buffer(), buffer()) for _ in range(config.num_hidden_layers)])
+        self.rows, self.span = 0, 0
+        self.write_index = torch.zeros(0, 0, dtype=torch.long, device=device)
+
+    @property
+    def bytes_per_row(self) -> int:
+        """Memory of one row's slots, keys and values of every layer."""
+        layer = self.layers[0]
+        return 2 * len(self.layers) * layer.keys[0].numel() * layer.keys.element_size()
+
+    def move_row(self, src: int, dst: int, count: int) -> None:
+        for layer in self.layers:
+            layer.keys[dst, :, :count] = layer.keys[src, :, :count]
+            layer.values[dst, :, :count] = layer.values[src, :, :count]
+
+    def install(self, row: int, entries: SeqKV) -> None:
+        """Copy one sequence's real entries (oldest first) into slots 0.. of `row`."""
+        for layer, (k, v) in zip(self.layers, entries, strict=True):
+            n = k.shape[2]
+            layer.keys[row, :, :n] = k[0]
+            layer.values[row, :, :n] = v[0]
+
+    def row(self, row: int, count: int) -> SeqKV:
+        """Row `row`'s first `count` entries of every layer, as views."""
+        return [(layer.keys[row : row + 1, :, :count], layer.values[row : row + 1, :, :count]) for layer in self.layers]

@@ -11,6 +11,8 @@ that finishes is replaced by the last row (one row copy), and waiting sequences 
 first) are admitted into the free slots at the end: prefilled together as a padded batch, then
 copied in once. EXSPEC's pool comes for free.
 
+The slot buffers themselves (`kv.SlotCache`) live in kv.py with every other cache.
+
 The price: attention runs over slots up to the longest row for every row (masked), and the
 buffers are sized for the longest request up front (`kv_budget_tokens` slots per row).
 """
@@ -20,74 +22,12 @@ from __future__ import annotations
 from collections import deque
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import kv
 from .batch import PaddedBatch
 from .errors import BatchspecError
 from .sequence import Sequence
 from .step import Context, decode_step, start
-
-
-class SlotLayer(CacheLayerMixin):
-    """One layer's buffers; `update` scatters the new keys/values at the cache's write index."""
-
-    is_sliding = False
-
-    def __init__(self, owner: "SlotCache", keys: torch.Tensor, values: torch.Tensor):
-        super().__init__()
-        self.owner, self.keys, self.values = owner, keys, values
-        self.is_initialized, self.device = True, keys.device
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist from the start
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        """key_states [n, H, q, D] -> the n active rows' keys/values over slots [0, span)."""
-        n, span, index = self.owner.rows, self.owner.span, self.owner.write_index  # index [n, q]
-        idx = index[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[3])
-        keys, values = self.keys[:n], self.values[:n]
-        keys.scatter_(2, idx, key_states)
-        values.scatter_(2, idx, value_states)
-        return keys[:, :, :span], values[:, :, :span]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.span, 0
-
-    def get_seq_length(self) -> int:
-        return self.owner.span
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[2]
-
-
-class SlotCache(Cache):
-    """A transformers Cache over preallocated per-row slots. Before each forward the batch sets
-    `rows` (active rows 0..n-1), `write_index` [n, q] and `span` (slots attended)."""
-
-    def __init__(self, config, capacity: int, slots: int, dtype, device):
-        heads = config.num_key_value_heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (capacity, heads, slots, dim)
-        layers = [
-            SlotLayer(self, torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_hidden_layers)
-        ]
-        super().__init__(layers=layers)
-        self.rows, self.span = 0, 0
-        self.write_index = torch.zeros(0, 0, dtype=torch.long, device=device)
-
-    def move_row(self, src: int, dst: int, count: int) -> None:
-        for layer in self.layers:
-            layer.keys[dst, :, :count] = layer.keys[src, :, :count]
-            layer.values[dst, :, :count] = layer.values[src, :, :count]
-
-    def install(self, row: int, entries: kv.SeqKV) -> None:
-        """Copy one sequence's real entries (oldest first) into slots 0.. of `row`."""
-        for layer, (k, v) in zip(self.layers, entries, strict=True):
-            n = k.shape[2]
-            layer.keys[row, :, :n] = k[0]
-            layer.values[row, :, :n] = v[0]
 
 
 class RaggedBatch:
@@ -97,8 +37,10 @@ class RaggedBatch:
     def __init__(self, models: dict, capacity: int, slots: int, pad_id: int, device):
         self.seqs: list[Sequence] = []
         self.capacity, self.slots, self.pad_id, self.device = capacity, slots, pad_id, device
-        dtype = next(models["target"].parameters()).dtype
-        self.caches = {role: SlotCache(m.config, capacity, slots, dtype, device) for role, m in models.items()}
+        self.caches = {
+            role: kv.SlotCache(m.config, capacity, slots, next(m.parameters()).dtype, device)
+            for role, m in models.items()
+        }
         self.counts = {role: torch.zeros(capacity, dtype=torch.long, device=device) for role in models}
         self.heads = {role: torch.zeros(capacity, dtype=torch.long, device=device) for role in models}
 
@@ -166,8 +108,7 @@ class RaggedBatch:
         return self.counts[role][: len(self.seqs)].tolist()
 
     def row_cache(self, role: str, row: int) -> kv.SeqKV:
-        n = int(self.counts[role][row])
-        return [(layer.keys[row : row + 1, :, :n], layer.values[row : row + 1, :, :n]) for layer in self.caches[role].layers]
+        return self.caches[role].row(row, int(self.counts[role][row]))
 
     def check_layout(self) -> None:
         assert len(self.seqs) <= self.capacity, "more rows than slots"
@@ -195,7 +136,7 @@ def run(ctx: Context, seqs: list[Sequence], config) -> None:
     """Decode `seqs` in place: continuous admission into a ragged batch of `batch_size` rows."""
     slots = kv_budget(seqs, ctx.k, config.kv_budget_tokens)
     batch = RaggedBatch(ctx.models(), config.batch_size, slots, ctx.pad_id, ctx.device)
-    bytes_per_row = sum(c.layers[0].keys[0].numel() * c.layers[0].keys.element_size() * 2 * len(c.layers) for c in batch.caches.values())
+    bytes_per_row = sum(cache.bytes_per_row for cache in batch.caches.values())
     ctx.stats.extra.update(kv_budget_tokens=slots, kv_bytes=bytes_per_row * config.batch_size)
     # All requests are known up front, so admit shortest first (as static batches sort by length):
     # rows in flight then have similar lengths, and neither prefill padding nor the attention span

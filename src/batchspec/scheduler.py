@@ -33,7 +33,9 @@ class Decision:
 
 
 class Scheduler:
-    def __init__(self, prompt_lengths: list[int], batch_size: int, window: int, min_group: int, patience: int | None = None):
+    def __init__(
+        self, prompt_lengths: list[int], batch_size: int, window: int, min_group: int, patience: int | None = None
+    ):
         self.batch_size, self.window_size, self.min_group = batch_size, window, min_group
         self.patience = patience if patience is not None else 2 * -(-window // batch_size)
         self.lengths = list(prompt_lengths)
