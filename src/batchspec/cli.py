@@ -72,7 +72,17 @@ def _decode_options(p: argparse.ArgumentParser, one_method: bool) -> None:
     g.add_argument(
         "--min-group", type=int, help="exspec: smallest same-length group run unpadded (default: batch size)"
     )
-    g.add_argument("--kv-budget", type=int, dest="kv_budget_tokens", help="ragged: KV slots per row")
+    g.add_argument(
+        "--prefill-chunk",
+        type=int,
+        help="ragged: prompt tokens prefilled per step while rows decode (default: from measured costs)",
+    )
+    g.add_argument(
+        "--kv-budget",
+        type=int,
+        dest="kv_budget_tokens",
+        help="ragged: tokens the KV cache may hold across all rows (default: the largest requests of one batch)",
+    )
     g.add_argument(
         "--check-invariants", action="store_true", help="check every synchronization invariant after each step (slow)"
     )
@@ -153,6 +163,7 @@ def engine_options(args) -> dict:
         window_size=args.window_size,
         min_group=args.min_group,
         kv_budget_tokens=args.kv_budget_tokens,
+        prefill_chunk=args.prefill_chunk,
         check_invariants=args.check_invariants,
     )
 

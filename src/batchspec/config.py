@@ -59,8 +59,8 @@ class EngineConfig:
 
     k: draft tokens per step (speculative methods). batch_size: rows per forward pass.
     window_size: EXSPEC's active pool (default 4 x batch_size). min_group: smallest same-length
-    group EXSPEC runs without padding (default batch_size). kv_budget_tokens: slots per row of the
-    ragged layout's preallocated cache (default: the longest request it is given).
+    group EXSPEC runs without padding (default batch_size). kv_budget_tokens: tokens the
+    ragged layout's KV pool may hold across all rows (default: its batch_size largest requests).
     """
 
     method: str = methods.DEFAULT_METHOD
@@ -70,6 +70,7 @@ class EngineConfig:
     window_size: int | None = None
     min_group: int | None = None
     kv_budget_tokens: int | None = None
+    prefill_chunk: int | None = None  # ragged: prompt tokens prefilled per step; None: from measured costs
     check_invariants: bool = False
     progress: bool = False
 
@@ -81,7 +82,7 @@ class EngineConfig:
             raise BatchspecError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         if self.proposer is not None and self.proposer not in PROPOSERS:
             raise BatchspecError(f"unknown proposer {self.proposer!r}; choose one of {', '.join(PROPOSERS)}")
-        for name in ("window_size", "min_group", "kv_budget_tokens"):
+        for name in ("window_size", "min_group", "kv_budget_tokens", "prefill_chunk"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise BatchspecError(f"{name} must be an integer >= 1, got {value!r}")
