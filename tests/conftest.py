@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny pair (float64 for exact-equality property tests, float32 for the
-rest), random prompts, and a memoised reference decoder.
+rest), a draft-equals-target tiny pair, and the default pair; the hypothesis profiles.
+(Decoding shortcuts, random prompts and the memoised reference are in helpers.py.)
 
 Why float64 for the property tests: in float32 a batched or multi-token forward differs from the
 one-token reference by ~1e-6 in the logits, and the tiny model's top-2 logit gap falls below that
@@ -11,6 +12,7 @@ while keeping every synchronization bug visible. Fixed float32 cases are tested 
 from __future__ import annotations
 
 import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings

@@ -12,18 +12,19 @@ def random_prompts(seed: int, n: int, lo: int = 1, hi: int = 64, vocab: int = 25
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-_REFERENCE: dict = {}
+_REFERENCE: dict[int, tuple] = {}  # id(pair) -> (pair, {key: tokens}); holding the pair keeps its id unique
 
 
 def reference_tokens(pair, prompts, max_new_tokens: int) -> list[list[int]]:
     """Greedy reference outputs, memoised per (pair, eos, prompt, max_new_tokens)."""
     dec = SpecDecoder(pair, method="reference")
+    memo = _REFERENCE.setdefault(id(pair), (pair, {}))[1]
     out = []
     for prompt in prompts:
-        key = (id(pair), pair.eos_ids, tuple(prompt), max_new_tokens)
-        if key not in _REFERENCE:
-            _REFERENCE[key] = dec.generate([prompt], SamplingParams(max_new_tokens=max_new_tokens))[0].token_ids
-        out.append(_REFERENCE[key])
+        key = (pair.eos_ids, tuple(prompt), max_new_tokens)
+        if key not in memo:
+            memo[key] = dec.generate([prompt], SamplingParams(max_new_tokens=max_new_tokens))[0].token_ids
+        out.append(memo[key])
     return out
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import decode, random_prompts, reference_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import batchspec.batch
 from batchspec import SamplingParams, SpecDecoder, tiny_pair
 from batchspec.invariants import InvariantError
-
-from helpers import decode, random_prompts, reference_tokens
 
 
 @given(
@@ -122,7 +121,7 @@ def test_skipped_kv_shift_is_caught(tiny64, monkeypatch):
 
 
 def test_length_buckets_bound_padding():
-    from batchspec.exspec import length_buckets
+    from batchspec.static import length_buckets
 
     assert length_buckets([]) == []
     assert length_buckets([7]) == [1]
@@ -140,7 +139,7 @@ def test_length_buckets_bound_padding():
 
 @pytest.mark.parametrize("method", ["ar", "eqspec"])
 def test_bucketed_prefill_equals_reference(tiny64, method):
-    from batchspec.exspec import length_buckets
+    from batchspec.static import length_buckets
 
     prompts = random_prompts(32, 7, 2, 12) + random_prompts(33, 2, 150, 200)  # two long prompts pad the rest
     assert len(length_buckets(sorted(map(len, prompts)))) > 1

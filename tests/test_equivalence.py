@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 
 import torch
+from helpers import random_prompts
 
 from batchspec import SamplingParams, SpecDecoder, tiny_pair
 from batchspec.cli import main
 from batchspec.equivalence import classify, first_divergence, tolerance, verify
-
-from helpers import random_prompts
 
 
 def test_first_divergence():

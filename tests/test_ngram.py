@@ -3,12 +3,13 @@ every method that takes a proposer."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
+from helpers import decode, reference_tokens
 
 from batchspec import SamplingParams, SpecDecoder
 from batchspec.proposer import lookup
-
-from helpers import decode, reference_tokens
 
 
 def test_match_found_takes_the_longest_suffix_first():
@@ -47,7 +48,20 @@ def test_ngram_methods_match_reference(tiny64, method, batch):
         assert got == ref
 
 
-def test_ngram_accepts_on_repetitive_text(tiny64):
-    dec = SpecDecoder(tiny64, method="eqspec", k=4, batch_size=5, proposer="ngram", check_invariants=True)
-    dec.generate(_repetitive_prompts(), SamplingParams(max_new_tokens=30))
-    assert dec.stats.summary()["mean_accepted"] > 0
+def test_ngram_acceptance_is_what_lookup_predicts(tiny64):
+    """Each step of a row accepts exactly the common prefix of `lookup`'s proposal and the
+    reference's continuation; the engine's histogram must equal that, counted independently."""
+    prompts, k, max_new = _repetitive_prompts(), 4, 30
+    dec = SpecDecoder(tiny64, method="eqspec", k=k, batch_size=5, proposer="ngram", check_invariants=True)
+    dec.generate(prompts, SamplingParams(max_new_tokens=max_new))
+    expected = Counter()
+    for prompt, ref in zip(prompts, reference_tokens(tiny64, prompts, max_new)):
+        done = 1  # the first token comes from prefill
+        while done < len(ref):
+            proposal = lookup(prompt + ref[:done], k)
+            accepted = next((i for i, (a, b) in enumerate(zip(proposal, ref[done:])) if a != b), len(proposal))
+            kept = min(accepted + 1, len(ref) - done)  # the row stops at max_new_tokens or EOS
+            expected[min(accepted, kept)] += 1
+            done += kept
+    assert dec.stats.summary()["accepted_histogram"] == {str(n): c for n, c in sorted(expected.items())}
+    assert expected[0] < sum(expected.values())  # the prompts are built so that lookups hit

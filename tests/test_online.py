@@ -110,7 +110,7 @@ def _seq(pair, prompt, params):
 
 def test_loop_retires_a_cancelled_row_before_the_next_step(tiny64):
     ctx = _context(tiny64)
-    loop = Loop(ctx, RaggedBatch(ctx.models(), 2, 128, ctx.pad_id, ctx.device))
+    loop = Loop(ctx, RaggedBatch(ctx.models(), 2, 256, ctx.k, ctx.pad_id, ctx.device))
     seqs = [_seq(tiny64, p, SamplingParams(max_new_tokens=60)) for p in random_prompts(72, 3, 3, 10)]
     for s in seqs:
         loop.add(s)

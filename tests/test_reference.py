@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import torch
+from helpers import decode, random_prompts, reference_tokens
 from hypothesis import given
 from hypothesis import strategies as st
 
 from batchspec import SamplingParams, SpecDecoder
-
-from helpers import decode, random_prompts, reference_tokens
 
 
 def test_reference_equals_transformers_generate(tiny32):

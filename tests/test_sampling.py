@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import random_prompts
+from test_acceptance import _chi2, chi2_critical
 
 import batchspec.acceptance
 from batchspec import SamplingParams, SpecDecoder, tiny_pair
 from batchspec.sampling import probabilities
-
-from helpers import random_prompts
-from test_acceptance import _chi2, chi2_critical
 
 
 def _sample(pair, prompts, method, batch, seeds, params, k=3):

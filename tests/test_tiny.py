@@ -4,10 +4,9 @@ cannot see a wrong position or mask) and give mixed acceptance."""
 from __future__ import annotations
 
 import torch
+from helpers import random_prompts
 
 from batchspec import SamplingParams, SpecDecoder
-
-from helpers import random_prompts
 
 
 def test_output_is_varied(tiny32):

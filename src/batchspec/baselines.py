@@ -22,7 +22,7 @@ import torch
 from . import kv
 from .acceptance import Outcome, accept
 from .batch import PaddedBatch, padding_mask
-from .engine import run_static
+from .static import run_static
 
 
 class BSPBatch(PaddedBatch):
@@ -99,7 +99,8 @@ class DSDBatch(PaddedBatch):
         return finished
 
     def check_layout(self) -> None:  # padding accumulates by design
-        assert bool(padding_mask(self.pad_left, self.width).sum(1).eq(torch.tensor([len(s) for s in self.seqs])).all())
+        lengths = torch.tensor([len(s) for s in self.seqs], device=self.device)
+        assert bool(padding_mask(self.pad_left, self.width).sum(1).eq(lengths).all()), "mask does not cover the rows"
 
 
 def dsd_accept(drafts, target_logits, draft_probs, target_probs, u_accept, u_final, limit) -> Outcome:

@@ -1,7 +1,7 @@
 """`PaddedBatch`: B sequences as one left-padded rectangle, with a KV cache per model ("role").
 
 The view (ids, mask, positions) is derived from the sequences' token lists and `pad_left`; the
-batch never stores a copy of the ids. Invariants after every `realign` (DESIGN.md):
+batch never stores a copy of the ids. Invariants after every `realign`:
 1. position of real token i of row b is i, whatever the padding (pads are masked, position 0);
 2. the mask is 0 exactly on pad columns;
 3. KV slot j of row b holds the key/value of the token in padded column j of row b;
@@ -13,7 +13,6 @@ Between a `feed` and the next `realign` the caches run ahead of the token lists 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from . import kv, realign
 from .sequence import Sequence
@@ -39,9 +38,9 @@ def padded_ids(seqs: list[Sequence], pad_id: int, width: int | None = None) -> t
 
 
 class PaddedBatch:
-    """Left-padded batch of sequences plus one DynamicCache per role (e.g. "target", "draft")."""
+    """Left-padded batch of sequences plus one `kv.BufferCache` per role (e.g. "target", "draft")."""
 
-    def __init__(self, seqs: list[Sequence], caches: dict[str, DynamicCache], pad_id: int, device):
+    def __init__(self, seqs: list[Sequence], caches: dict[str, kv.BufferCache], pad_id: int, device):
         self.seqs = list(seqs)
         self.caches = caches
         self.pad_id = pad_id

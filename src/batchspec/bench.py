@@ -10,7 +10,6 @@ are measured once per repeat and listed at batch size 1.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -22,11 +21,10 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
+from . import methods
 from .config import EngineConfig, SamplingParams
 from .costs import cost_table, speed_of_light
 from .engine import SpecDecoder
-
-UNBATCHED = ("spec1", "reference")
 
 
 class PeakMemory:
@@ -63,10 +61,10 @@ class PeakMemory:
         return out
 
 
-def combos(methods: list[str], batch_sizes: list[int]) -> list[tuple[str, int]]:
+def combos(names: list[str], batch_sizes: list[int]) -> list[tuple[str, int]]:
     out = []
-    for m in methods:
-        out += [(m, 1)] if m in UNBATCHED else [(m, b) for b in batch_sizes]
+    for m in names:
+        out += [(m, b) for b in batch_sizes] if methods.get(m).batched else [(m, 1)]
     return out
 
 
@@ -78,11 +76,11 @@ def run_one(pair, prompts, method, batch, params, k, proposer, options) -> dict:
 
 
 def bench(
-    pair, prompts, methods, batch_sizes, params: SamplingParams, k=4, proposer=None, repeats=1, progress=True, **options
+    pair, prompts, names, batch_sizes, params: SamplingParams, k=4, proposer=None, repeats=1, progress=True, **options
 ) -> dict:
     """Run everything; returns the JSON-ready report. `options`: further EngineConfig fields
     (window_size, min_group, kv_budget_tokens, ...) for every run."""
-    runs = combos(methods, batch_sizes)
+    runs = combos(names, batch_sizes)
     for method, batch in tqdm(runs, desc="warm-up", disable=not progress, leave=False):
         run_one(pair, prompts[:2], method, batch, SamplingParams(max_new_tokens=8), k, proposer, options)
     samples: dict = {c: [] for c in runs}
@@ -119,9 +117,7 @@ def _summarise(method, batch, samples, costs, k, has_draft) -> dict:
     """Median over repeats of throughput; the rest from the median run."""
     ordered = sorted(samples, key=lambda s: s["tokens_per_s"])
     mid = ordered[len(ordered) // 2]
-    sol = speed_of_light(
-        costs, method, batch, k, mid["mean_tokens_per_step"], has_draft and method not in ("ar", "reference")
-    )
+    sol = speed_of_light(costs, method, batch, k, mid["mean_tokens_per_step"], has_draft)
     keys = (
         "tokens_per_s",
         "decode_tokens_per_s",
@@ -150,8 +146,8 @@ def _summarise(method, batch, samples, costs, k, has_draft) -> dict:
 
 
 def _ratios(runs: list[dict]) -> None:
-    ar = {r["batch_size"]: r["tokens_per_s"] for r in runs if r["method"] == "ar"}
-    spec1 = next((r["tokens_per_s"] for r in runs if r["method"] == "spec1"), None)
+    ar = {r["batch_size"]: r["tokens_per_s"] for r in runs if r["method"] == methods.PLAIN_BASELINE}
+    spec1 = next((r["tokens_per_s"] for r in runs if r["method"] == methods.SPEC_BASELINE), None)
     for r in runs:
         r["vs_ar"] = r["tokens_per_s"] / ar[r["batch_size"]] if r["batch_size"] in ar else None
         r["vs_spec1"] = r["tokens_per_s"] / spec1 if spec1 else None
@@ -211,7 +207,7 @@ def plot(report: dict, path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     for method in dict.fromkeys(r["method"] for r in runs):
         rs = [r for r in runs if r["method"] == method]
-        if method in UNBATCHED:
+        if not methods.get(method).batched:
             left.axhline(rs[0]["tokens_per_s"], linestyle="--", color="gray", label=f"{method} (one at a time)")
         else:
             left.plot([r["batch_size"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=method)
@@ -232,34 +228,9 @@ def plot(report: dict, path: str) -> None:
     right.set(ylabel="share of wall time", title="Where the time goes")
     right.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle(
-        f"{report['models']['pair']} ({report['models']['dtype']}), k={report['k']}, {report['n_prompts']} prompts x {report['max_new_tokens']} new tokens"
+        f"{report['models']['pair']} ({report['models']['dtype']}), k={report['k']}, "
+        f"{report['n_prompts']} prompts x {report['max_new_tokens']} new tokens"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    from .cli import comparison_inputs, engine_options, write_json
-    from .errors import BatchspecError
-
-    if args.repeats < 1:
-        raise BatchspecError(f"--repeats must be >= 1, got {args.repeats}")
-    params, methods, batch_sizes, prompts, pair = comparison_inputs(args)
-    report = bench(
-        pair,
-        prompts,
-        methods,
-        batch_sizes,
-        params,
-        repeats=args.repeats,
-        progress=not args.quiet,
-        **engine_options(args),
-    )
-    report["command"] = "batchspec " + " ".join(sys.argv[1:])
-    print(table(report))
-    if args.json:
-        write_json(args.json, report)
-    if args.plot:
-        plot(report, args.plot)
-    return 0

@@ -1,17 +1,22 @@
 """The `batchspec` command line: `generate`, `verify`, `bench`.
 
-All three share the model options (--pair | --target/--draft, --dtype, --device) and the prompt
-options (--prompts FILE, --limit N, positional prompts, --no-chat-template). Errors in input are
-printed as one line naming the problem (exit status 2), never as a traceback.
+This module owns the command line: it parses, validates every option before the (slow) model
+load, calls the library (`engine`, `bench`, `equivalence`), and prints. All commands share the
+model options (--pair | --target/--draft, --dtype, --device) and the prompt options (--prompts
+FILE, --limit N, positional prompts, --no-chat-template). Errors in input are printed as one line
+naming the problem (exit status 2), never as a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 
-from .config import BROKEN_METHODS, METHODS, PROPOSERS, EngineConfig, SamplingParams
+from . import bench, equivalence, methods
+from .config import PROPOSERS, EngineConfig, SamplingParams
+from .engine import SpecDecoder
 from .errors import BatchspecError
 from .models import DTYPES, PAIRS, load_pair
 from .prompts import Prompt, read_prompts
@@ -46,10 +51,15 @@ def _prompt_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text")
 
 
-def _decode_options(p: argparse.ArgumentParser, methods: bool) -> None:
+def _decode_options(p: argparse.ArgumentParser, one_method: bool) -> None:
     g = p.add_argument_group("decoding")
-    if methods:
-        g.add_argument("--method", choices=list(METHODS + BROKEN_METHODS), default="eqspec")
+    if one_method:
+        g.add_argument(
+            "--method",
+            choices=methods.names(),
+            default=methods.DEFAULT_METHOD,
+            help=f"(default: {methods.DEFAULT_METHOD})",
+        )
         g.add_argument("--batch-size", type=int, default=8)
     g.add_argument("-k", type=int, default=4, help="draft tokens per step (default 4)")
     g.add_argument("--proposer", choices=list(PROPOSERS), help="draft model or n-gram lookup (default: the pair's)")
@@ -62,7 +72,17 @@ def _decode_options(p: argparse.ArgumentParser, methods: bool) -> None:
     g.add_argument(
         "--min-group", type=int, help="exspec: smallest same-length group run unpadded (default: batch size)"
     )
-    g.add_argument("--kv-budget", type=int, dest="kv_budget_tokens", help="ragged: KV slots per row")
+    g.add_argument(
+        "--prefill-chunk",
+        type=int,
+        help="ragged: prompt tokens prefilled per step while rows decode (default: from measured costs)",
+    )
+    g.add_argument(
+        "--kv-budget",
+        type=int,
+        dest="kv_budget_tokens",
+        help="ragged: tokens the KV cache may hold across all rows (default: the largest requests of one batch)",
+    )
     g.add_argument(
         "--check-invariants", action="store_true", help="check every synchronization invariant after each step (slow)"
     )
@@ -75,26 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="decode prompts with one method and print the text and stats")
     for add in (_model_options, _prompt_options):
         add(gen)
-    _decode_options(gen, methods=True)
+    _decode_options(gen, one_method=True)
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
-
-    from . import bench, equivalence
-
+    correct = ",".join(m for m in methods.names(include_broken=False) if methods.get(m).speculative)
     verify = _comparison(
-        sub,
-        "verify",
-        "compare methods with the target alone and explain every divergence",
-        "eqspec,exspec,ragged",
-        equivalence.run_cli,
+        sub, "verify", "compare methods with the target alone and explain every divergence", correct, cmd_verify
     )
     verify.set_defaults(max_new_tokens=48)
-    b = _comparison(
-        sub,
-        "bench",
-        "time every method side by side, with the speed-of-light model",
-        "ar,spec1,eqspec,exspec,ragged",
-        bench.run_cli,
-    )
+    timed = ",".join(m for m in methods.names(include_broken=False) if m != "reference")
+    b = _comparison(sub, "bench", "time every method side by side, with the speed-of-light model", timed, cmd_bench)
     b.add_argument("--repeats", type=int, default=1, help="runs of each method, interleaved (default 1)")
     b.add_argument("--plot", metavar="OUT.png", help="write the throughput / stage plot")
     _serve_parser(sub)
@@ -106,7 +115,8 @@ def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API with continuous batching")
     _model_options(p)
     g = p.add_argument_group("decoding")
-    g.add_argument("--method", choices=["ragged"], default="ragged", help="a method that admits rows (ragged)")
+    served = [m.name for m in methods.METHODS.values() if m.serves]
+    g.add_argument("--method", choices=served, default=served[0], help=f"a method the online engine runs ({served[0]})")
     g.add_argument("-k", type=int, default=4, help="draft tokens per step (default 4)")
     g.add_argument("--no-spec", action="store_true", help="plain decoding (k = 0) in the same engine")
     g.add_argument("--proposer", choices=list(PROPOSERS), help="draft model or n-gram lookup (default: the pair's)")
@@ -115,7 +125,13 @@ def _serve_parser(sub) -> None:
         "--kv-budget",
         type=int,
         dest="kv_budget_tokens",
-        help="KV slots per row: prompt + max_tokens + k + 1 must fit (default: min(context, 2048))",
+        help="tokens the KV cache may hold across all rows; a request's prompt + max_tokens + k + 1 must fit "
+        "(default: batch size x min(context, 2048))",
+    )
+    g.add_argument(
+        "--prefill-chunk",
+        type=int,
+        help="prompt tokens prefilled per step while rows decode (default: from measured costs)",
     )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
@@ -142,7 +158,7 @@ def _comparison(sub, name: str, help: str, methods: str, run) -> argparse.Argume
     p = sub.add_parser(name, help=help)
     _model_options(p)
     _prompt_options(p)
-    _decode_options(p, methods=False)
+    _decode_options(p, one_method=False)
     p.add_argument("--methods", default=methods, help=f"comma-separated (default: {methods})")
     p.add_argument("--batch-sizes", default="1,4,8", help="comma-separated (default: 1,4,8)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -154,13 +170,13 @@ def comparison_inputs(args):
     """Validated (params, methods, batch sizes, prompt texts, pair) for verify and bench; every
     option is checked before the (slow) model load."""
     params = sampling_params(args)
-    methods = parse_list(args.methods, str, "--methods")
+    names = parse_list(args.methods, str, "--methods")
     batch_sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
-    for method in methods:
+    for method in names:
         for batch in batch_sizes:
             engine_config(args, method, batch, progress=False)
     prompts = [p.text for p in load_prompts(args)]
-    return params, methods, batch_sizes, prompts, load_models(args)
+    return params, names, batch_sizes, prompts, load_models(args)
 
 
 def load_prompts(args) -> list[Prompt]:
@@ -191,6 +207,7 @@ def engine_options(args) -> dict:
         window_size=args.window_size,
         min_group=args.min_group,
         kv_budget_tokens=args.kv_budget_tokens,
+        prefill_chunk=args.prefill_chunk,
         check_invariants=args.check_invariants,
     )
 
@@ -205,8 +222,6 @@ def load_models(args):
 
 
 def cmd_generate(args) -> int:
-    from .engine import SpecDecoder
-
     params = sampling_params(args)
     config = engine_config(args, args.method, args.batch_size, progress=not args.quiet)
     prompts = load_prompts(args)
@@ -233,6 +248,44 @@ def cmd_generate(args) -> int:
                 "models": pair.describe(),
             },
         )
+    return 0
+
+
+def cmd_verify(args) -> int:
+    params, names, batch_sizes, prompts, pair = comparison_inputs(args)
+    report = equivalence.verify(
+        pair,
+        prompts,
+        names,
+        batch_sizes,
+        params,
+        chat_template=not args.no_chat_template,
+        progress=not args.quiet,
+        **engine_options(args),
+    )
+    print(equivalence.table(report))
+    for line in equivalence.divergence_lines(report):
+        print(line)
+    if args.json:
+        write_json(args.json, report)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if args.repeats < 1:
+        raise BatchspecError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise BatchspecError("--plot needs matplotlib: pip install 'batchspec[plot]'")
+    params, names, batch_sizes, prompts, pair = comparison_inputs(args)
+    report = bench.bench(
+        pair, prompts, names, batch_sizes, params, repeats=args.repeats, progress=not args.quiet, **engine_options(args)
+    )
+    report["command"] = "batchspec " + " ".join(sys.argv[1:])
+    print(bench.table(report))
+    if args.json:
+        write_json(args.json, report)
+    if args.plot:
+        bench.plot(report, args.plot)
     return 0
 
 

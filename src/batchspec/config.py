@@ -9,13 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import methods
 from .errors import BatchspecError
 
-#: Correct methods, in the order the CLI lists them. `bsp` and `dsd` are deliberately broken
-#: reproductions (see `baselines.py`) and are accepted too.
-METHODS = ("reference", "ar", "spec1", "eqspec", "exspec", "ragged")
-BROKEN_METHODS = ("bsp", "dsd")
-SPECULATIVE_METHODS = ("spec1", "eqspec", "exspec", "ragged", "bsp", "dsd")
 PROPOSERS = ("draft", "ngram")
 
 
@@ -68,30 +64,30 @@ class EngineConfig:
 
     k: draft tokens per step (speculative methods). batch_size: rows per forward pass.
     window_size: EXSPEC's active pool (default 4 x batch_size). min_group: smallest same-length
-    group EXSPEC runs without padding (default batch_size). kv_budget_tokens: slots per row of the
-    ragged layout's preallocated cache (default: the longest request it is given).
+    group EXSPEC runs without padding (default batch_size). kv_budget_tokens: tokens the
+    ragged layout's KV pool may hold across all rows (default: its batch_size largest requests).
     """
 
-    method: str = "eqspec"
+    method: str = methods.DEFAULT_METHOD
     k: int = 4
     batch_size: int = 8
     proposer: str | None = None  # "draft" | "ngram"; None: the pair's default
     window_size: int | None = None
     min_group: int | None = None
     kv_budget_tokens: int | None = None
+    prefill_chunk: int | None = None  # ragged: prompt tokens prefilled per step; None: from measured costs
     check_invariants: bool = False
     progress: bool = False
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS + BROKEN_METHODS:
-            raise BatchspecError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS + BROKEN_METHODS)}")
+        methods.get(self.method)  # raises for an unknown name
         if not _is_int(self.k) or self.k < 1:
             raise BatchspecError(f"k (draft tokens per step) must be an integer >= 1, got {self.k!r}")
         if not _is_int(self.batch_size) or self.batch_size < 1:
             raise BatchspecError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         if self.proposer is not None and self.proposer not in PROPOSERS:
             raise BatchspecError(f"unknown proposer {self.proposer!r}; choose one of {', '.join(PROPOSERS)}")
-        for name in ("window_size", "min_group", "kv_budget_tokens"):
+        for name in ("window_size", "min_group", "kv_budget_tokens", "prefill_chunk"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise BatchspecError(f"{name} must be an integer >= 1, got {value!r}")
@@ -108,4 +104,4 @@ class EngineConfig:
 
     @property
     def speculative(self) -> bool:
-        return self.method in SPECULATIVE_METHODS
+        return methods.get(self.method).speculative

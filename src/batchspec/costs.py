@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from . import kv
+from . import kv, methods
 
 
 @torch.inference_mode()
@@ -64,7 +64,7 @@ def cost_table(target, draft, batch_sizes: list[int], k: int, context: int) -> d
 def speed_of_light(table: dict, method: str, batch: int, k: int, tokens_per_step: float, has_draft: bool) -> float:
     """Decode tokens/s of a full batch with zero overhead, at the measured tokens per step."""
     target = table["target"][batch]
-    if method in ("ar", "reference"):
+    if not methods.get(method).speculative:
         return batch / target[1]
     draft = k * table["draft"][batch][1] if has_draft else 0.0
     return batch * tokens_per_step / (draft + target[k + 1])

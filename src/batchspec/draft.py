@@ -8,7 +8,7 @@ a few per cent of a target forward.
 
 Weights live in `weights/smollm2_draft.safetensors` (layers, final norm, head, vocab_ids; bf16);
 the embedding is not stored: `load_default_draft` shares the target's matrix. Hyper-parameters and
-training metadata are in `weights/smollm2_draft.json`. `scripts/train_draft.py` produces both.
+training metadata are in `weights/smollm2_draft.json`. `python scripts/train_draft` produces both.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class SmolDraft(torch.nn.Module):
 
     def __init__(self, config: LlamaConfig, vocab_ids: torch.Tensor):
         super().__init__()
-        self.config = config  # num_hidden_layers = N: DynamicCache(config=...) makes N layers
+        self.config = config  # num_hidden_layers = N: a cache for this config has N layers
         self.model = LlamaModel(config)  # embed_tokens [V, H] is replaced by the target's at load
         self.lm_head = torch.nn.Linear(config.hidden_size, len(vocab_ids), bias=False)  # [V_r, H]
         self.register_buffer("vocab_ids", torch.as_tensor(vocab_ids, dtype=torch.long).clone())  # [V_r]
@@ -85,7 +85,7 @@ class SmolDraft(torch.nn.Module):
         input_ids: torch.Tensor,  # [B, q]
         attention_mask: torch.Tensor | None = None,  # [B, past + q], 0 on (left) pads
         position_ids: torch.Tensor | None = None,  # [B, q]
-        cache=None,  # DynamicCache with N layers, grown in place
+        cache=None,  # a transformers Cache with N layers (kv.py), written in place
         use_cache: bool = True,
         logits_to_keep: int = 0,  # 0: every position; n: the last n
         **_ignored,

@@ -1,10 +1,7 @@
 """`SpecDecoder`: the public entry point. It turns prompts into `Sequence`s, runs one method over
 them, and returns outputs in input order, with run statistics in `.stats`.
 
-Methods (see config.METHODS): `reference` (the oracle), `ar` (plain batched decoding: a padded
-batch with k = 0), `spec1` (speculative decoding one sequence at a time), `eqspec` (synchronous
-padded batch, realigned after every step), `exspec` (same-length scheduling from a pool),
-`ragged` (per-row cache offsets, no realignment), and the deliberately broken `bsp` / `dsd`.
+Which methods exist, and the runner of each, is `methods.METHODS`.
 """
 
 from __future__ import annotations
@@ -14,55 +11,16 @@ from functools import partial
 import torch
 from tqdm.auto import tqdm
 
-from .batch import PaddedBatch
+from . import methods
 from .config import EngineConfig, SamplingParams
 from .detok import StopStrings
 from .errors import BatchspecError
-from .exspec import start_bucketed
 from .models import ModelPair, load_pair
 from .proposer import DraftProposer, NgramProposer
 from .sampling import make_generator
 from .sequence import GenerationOutput, Sequence
 from .stats import Stats
-from .step import Context, decode_step, start
-
-
-def run_static(ctx: Context, seqs: list[Sequence], batch_size: int, batch_cls=PaddedBatch) -> None:
-    """Static batches: prefill B sequences together, step until every row has finished (finished
-    rows leave the batch at once), then take the next B. Batches are formed from prompts sorted by
-    length, and prefilled in length buckets (exspec.start_bucketed), so prefill pays little
-    padding; outputs keep the input order. The broken baselines keep their own one-shot prefill."""
-    ordered = sorted(seqs, key=len)
-    for first in range(0, len(ordered), batch_size):
-        rows = ordered[first : first + batch_size]
-        batch = start_bucketed(ctx, rows) if batch_cls is PaddedBatch else start(ctx, rows, batch_cls)
-        while len(batch):
-            decode_step(ctx, batch)
-
-
-def runner_for(method: str):
-    """The function that runs `method`: (ctx, seqs, EngineConfig) -> None, decoding in place."""
-
-    def static(batch_cls=PaddedBatch, batch_size=None):
-        return lambda ctx, seqs, cfg: run_static(ctx, seqs, batch_size or cfg.batch_size, batch_cls)
-
-    if method == "reference":
-        from .reference import run
-
-        return run
-    if method == "exspec":
-        from .exspec import run
-
-        return run
-    if method == "ragged":
-        from .ragged import run
-
-        return run
-    if method in ("bsp", "dsd"):
-        from . import baselines
-
-        return baselines.run_bsp if method == "bsp" else baselines.run_dsd
-    return static(batch_size=1) if method == "spec1" else static()  # ar, spec1, eqspec
+from .step import Context
 
 
 class SpecDecoder:
@@ -129,7 +87,6 @@ class SpecDecoder:
                 Sequence(
                     index=i,
                     prompt_ids=ids,
-                    max_new_tokens=p.max_new_tokens,
                     max_len=min(len(ids) + p.max_new_tokens, context),
                     eos_ids=frozenset() if p.ignore_eos else self.pair.eos_ids,
                     generator=None if p.greedy else make_generator(p.seed),
@@ -138,7 +95,6 @@ class SpecDecoder:
             )
         return seqs
 
-    @torch.inference_mode()
     def generate(
         self,
         prompts: list,
@@ -172,7 +128,7 @@ class SpecDecoder:
             from .invariants import check_batch
 
             ctx.check = partial(check_batch, models=ctx.models())
-        runner = runner_for(cfg.method)
+        runner = methods.get(cfg.method).run()
         with torch.inference_mode(), self.stats.run():
             runner(ctx, seqs, cfg)
         bar.close()

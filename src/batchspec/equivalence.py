@@ -17,7 +17,6 @@ dtype's machine epsilon and scale the largest |logit| at t.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict, dataclass
 
 import torch
@@ -25,6 +24,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig, SamplingParams
 from .engine import SpecDecoder
+from .errors import BatchspecError
 
 SHOW = 4  # divergences printed per run
 ULPS = {torch.float64: 64, torch.float32: 64, torch.bfloat16: 12, torch.float16: 12}
@@ -106,8 +106,6 @@ def verify(
     """Run the reference once, every method at every batch size, and compare (greedy only).
     `options`: further EngineConfig fields (window_size, min_group, ...) for every method."""
     if not params.greedy:
-        from .errors import BatchspecError
-
         raise BatchspecError("verify compares greedy outputs; use --temperature 0")
     ref_dec = SpecDecoder(pair, EngineConfig(method="reference", progress=progress))
     ref_outs = ref_dec.generate(prompts, params, chat_template)
@@ -139,7 +137,10 @@ def _texts(pair, d: Divergence) -> dict:
 
 
 def table(report: dict) -> str:
-    head = f"{'method':<10}{'batch':>6}{'dtype':>10}{'prompts':>9}{'exact':>8}{'prefix':>8}{'diverged':>10}{'near-tie':>10}{'unexplained':>13}"
+    head = (
+        f"{'method':<10}{'batch':>6}{'dtype':>10}{'prompts':>9}{'exact':>8}{'prefix':>8}"
+        f"{'diverged':>10}{'near-tie':>10}{'unexplained':>13}"
+    )
     lines = [head, "-" * len(head)]
     for r in report["runs"]:
         lines.append(
@@ -149,31 +150,18 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run_cli(args: argparse.Namespace) -> int:
-    from .cli import comparison_inputs, engine_options, write_json
-
-    params, methods, batch_sizes, prompts, pair = comparison_inputs(args)
-    report = verify(
-        pair,
-        prompts,
-        methods,
-        batch_sizes,
-        params,
-        chat_template=not args.no_chat_template,
-        progress=not args.quiet,
-        **engine_options(args),
-    )
-    print(table(report))
+def divergence_lines(report: dict) -> list[str]:
+    """The first few divergences of every run, one line each (all of them are in the report)."""
+    lines = []
     for r in report["runs"]:
         shown = r["divergence_list"][:SHOW]
+        where = f"{r['method']} b={r['batch_size']}"
         for d in shown:
             gap = "stopped" if d["gap"] is None else f"gap {d['gap']:.3g} (tol {d['tolerance']:.3g})"
-            print(
-                f"  {r['method']} b={r['batch_size']} prompt {d['prompt']} token {d['position']}: "
-                f"{d['reference_token']} {d['reference_text']!r} -> {d['method_token']} {d['method_text']!r}, {gap}: {d['kind']}"
+            lines.append(
+                f"  {where} prompt {d['prompt']} token {d['position']}: {d['reference_token']} "
+                f"{d['reference_text']!r} -> {d['method_token']} {d['method_text']!r}, {gap}: {d['kind']}"
             )
         if len(r["divergence_list"]) > len(shown):
-            print(f"  {r['method']} b={r['batch_size']}: {len(r['divergence_list']) - len(shown)} more (all in --json)")
-    if args.json:
-        write_json(args.json, report)
-    return 0
+            lines.append(f"  {where}: {len(r['divergence_list']) - len(shown)} more (all in --json)")
+    return lines

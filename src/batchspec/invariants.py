@@ -6,7 +6,6 @@ those of a fresh, unbatched prefill of that row's tokens (within floating-point 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from . import kv
 
@@ -38,7 +37,7 @@ def check_batch(batch, models: dict) -> None:
 def _check_row(model, role: str, row: int, tokens: list[int], cached: kv.SeqKV) -> None:
     if not tokens:
         return
-    fresh = DynamicCache(config=model.config)
+    fresh = kv.reference_cache(model.config)
     model(input_ids=torch.tensor([tokens], device=model.device), cache=fresh, use_cache=True, logits_to_keep=1)
     tol = TOLERANCE.get(next(model.parameters()).dtype, 1e-3)
     for layer, ((k, v), (fk, fv)) in enumerate(zip(cached, kv.tensors(fresh), strict=True)):

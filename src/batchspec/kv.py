@@ -1,15 +1,20 @@
-"""The only code that reads or writes the padded layout's KV caches.
+"""The only code that knows transformers' `Cache` classes: every KV cache batchspec uses.
 
-`BufferCache` is a transformers `Cache` whose layers keep keys/values in preallocated buffers
-[B, H_kv, capacity, D]; columns [0, width) are the cache. A forward writes its new columns in
-place (the buffer doubles when full), so feeding a token costs no copy of the cache; transformers'
-`DynamicCache` concatenates, i.e. copies every layer's whole cache on every forward. Each
-function that moves entries (gather, stack) writes into a fresh buffer with `RESERVE` spare
-columns, enough for one speculative step without growing.
+- `BufferCache` (padded layouts: EQSPEC, EXSPEC's stacks, static batches): layers keep keys and
+  values in preallocated buffers [B, H_kv, capacity, D]; columns [0, width) are the cache. A
+  forward writes its new columns in place (the buffer doubles when full), so feeding a token costs
+  no copy of the cache; transformers' `DynamicCache` concatenates, i.e. copies every layer's whole
+  cache on every forward. Each function that moves entries (gather, stack) writes into a fresh
+  buffer with `RESERVE` spare columns, enough for one speculative step without growing.
+- `PagedCache` (the `ragged` layout) keeps every row's entries in one pool of fixed-size blocks
+  per layer, allocated as rows grow; before each forward the batch says which rows run and where
+  each writes. Entries never move; a retired row's blocks are freed.
+- `reference_cache` is transformers' own `DynamicCache`, for the oracle and the invariant checker:
+  they must not share this module's buffer code, so a bug here cannot hide in both.
 
 Which columns are real and which are padding is not the cache's business: the caller (a padded
-batch, a per-sequence store) keeps that. `SeqKV` is one sequence's share: a list over layers of
-(keys, values) [1, H_kv, n, D] holding its n real entries, oldest first.
+batch, a per-sequence store, the ragged batch) keeps that. `SeqKV` is one sequence's share: a
+list over layers of (keys, values) [1, H_kv, n, D] holding its n real entries, oldest first.
 
 Only full-attention models are supported (`models.check_supported` refuses the rest).
 """
@@ -17,10 +22,11 @@ Only full-attention models are supported (`models.check_supported` refuses the r
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 SeqKV = list[tuple[torch.Tensor, torch.Tensor]]
 RESERVE = 32  # spare columns allocated past the width whenever entries are moved
+BLOCK = 16  # tokens per block of the paged pool
 
 
 class BufferLayer(CacheLayerMixin):
@@ -81,6 +87,22 @@ def empty(config) -> BufferCache:
     return BufferCache(config)
 
 
+def reference_cache(config) -> DynamicCache:
+    """transformers' plain growing cache (the oracle's; independent of this module's buffers)."""
+    return DynamicCache(config=config)
+
+
+def unsupported_layers(config) -> set[str]:
+    """Names of the cache layer types this config needs that are not plain full attention
+    (sliding windows, recurrent state); empty when the model is supported."""
+    return {type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer}
+
+
+def count(layers: SeqKV) -> int:
+    """Entries held by one sequence's share."""
+    return layers[0][0].shape[2] if layers else 0
+
+
 def width(cache: Cache) -> int:
     """Number of columns (the same for every layer and row)."""
     return cache.get_seq_length()
@@ -94,18 +116,6 @@ def tensors(cache: Cache) -> SeqKV:
         for layer in cache.layers
         if layer.is_initialized
     ]
-
-
-def from_tensors(config, layers: SeqKV, room: bool = False) -> BufferCache:
-    """A cache holding these per-layer tensors: as they are, or copied into buffers with
-    `RESERVE` spare columns (`room`)."""
-    cache = BufferCache(config)
-    for layer, (keys, values) in zip(cache.layers, layers):
-        width_ = keys.shape[2]
-        if room:
-            keys, values = _room(keys, width_ + RESERVE), _room(values, width_ + RESERVE)
-        layer.hold(keys, values, width_)
-    return cache
 
 
 def crop(cache: BufferCache, n: int) -> None:
@@ -184,3 +194,143 @@ def pad_columns_left(cache: BufferCache, n: int) -> None:
             keys = _room(torch.nn.functional.pad(layer.keys[:, :, : layer.width], (0, 0, n, 0)), width_ + RESERVE)
             values = _room(torch.nn.functional.pad(layer.values[:, :, : layer.width], (0, 0, n, 0)), width_ + RESERVE)
             layer.hold(keys, values, width_)
+
+
+# --- the ragged layout's paged pool --------------------------------------------------------------
+
+
+class PagedLayer(CacheLayerMixin):
+    """One layer's pools [tokens, H_kv, D]; `update` writes the new entries at the cache's write
+    index, then gathers every running row's slots [0, span) for attention."""
+
+    is_sliding = False
+
+    def __init__(self, owner: PagedCache, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.owner, self.keys, self.values = owner, keys, values
+        self.is_initialized, self.device = True, keys.device
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # pools exist from the start
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """key_states [n, H, q, D] -> keys/values [n, H, span, D] of the forward's rows."""
+        write, read = self.owner.write_index.reshape(-1), self.owner.read_index  # [n*q], [n, span]
+        n, span = read.shape
+        heads, dim = key_states.shape[1], key_states.shape[3]
+        out = []
+        for pool, states in ((self.keys, key_states), (self.values, value_states)):
+            pool.index_copy_(0, write, states.transpose(1, 2).reshape(-1, heads, dim))
+            out.append(pool.index_select(0, read.reshape(-1)).view(n, span, heads, dim).transpose(1, 2))
+        return out[0], out[1]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.read_index.shape[1], 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.read_index.shape[1]
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PagedCache(Cache):
+    """KV entries of many rows in one pool of fixed-size blocks per layer, [tokens, H_kv, D].
+
+    Row r owns the blocks `tables[r]`; its slot j lives at pool token `tables[r][j // B] * B + j % B`
+    (B = `block_size`). Blocks are allocated as rows grow and freed when they leave, so the memory
+    held follows the tokens held; the pool itself grows (doubling) up to `max_tokens` and never
+    moves a row. Before each forward, `prepare` says which rows run and where their q new entries
+    go; attention then reads each row's slots [0, span) gathered from the pool (slots past a
+    row's own length read some block's finite entries and are masked out)."""
+
+    def __init__(self, config, dtype: torch.dtype, device, max_tokens: int, block_size: int = BLOCK):
+        self.heads = config.num_key_value_heads
+        self.dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.block_size, self.dtype, self.device = block_size, dtype, device
+        self.max_blocks = -(-max_tokens // block_size)
+        blocks = min(self.max_blocks, 8)
+        super().__init__(
+            layers=[PagedLayer(self, self._zeros(blocks), self._zeros(blocks)) for _ in range(config.num_hidden_layers)]
+        )
+        self.free_blocks: list[int] = list(range(blocks))
+        self.tables: list[list[int]] = []
+        self.write_index = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.read_index = torch.zeros(0, 0, dtype=torch.long, device=device)
+
+    def _zeros(self, blocks: int) -> torch.Tensor:
+        return torch.zeros(blocks * self.block_size, self.heads, self.dim, dtype=self.dtype, device=self.device)
+
+    @property
+    def blocks(self) -> int:
+        """Blocks the pool holds now (in use or free)."""
+        return self.layers[0].keys.shape[0] // self.block_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * len(self.layers) * self.heads * self.dim * self.layers[0].keys.element_size()
+
+    def _grow(self, need: int) -> None:
+        """Make room for `need` more free blocks (the pool doubles, up to max_blocks)."""
+        old = self.blocks
+        new = min(self.max_blocks, max(2 * old, old + need - len(self.free_blocks)))
+        assert new - old + len(self.free_blocks) >= need, "KV pool exhausted: admission must reserve first"
+        for layer in self.layers:
+            layer.keys = torch.cat([layer.keys, self._zeros(new - old)])
+            layer.values = torch.cat([layer.values, self._zeros(new - old)])
+        self.free_blocks += range(old, new)
+
+    def ensure(self, row: int, slots: int) -> None:
+        """Give `row` blocks for slots [0, slots)."""
+        while len(self.tables) <= row:
+            self.tables.append([])
+        need = -(-slots // self.block_size) - len(self.tables[row])
+        if need > 0:
+            if need > len(self.free_blocks):
+                self._grow(need)
+            self.tables[row] += [self.free_blocks.pop() for _ in range(need)]
+
+    def release(self, row: int) -> None:
+        """Free `row`'s blocks; the row's table becomes empty."""
+        self.free_blocks += self.tables[row]
+        self.tables[row] = []
+
+    def move_table(self, src: int, dst: int) -> None:
+        """Row `dst` takes over row `src`'s blocks (no entry is copied); `src` becomes empty."""
+        self.tables[dst], self.tables[src] = self.tables[src], []
+
+    def slot_index(self, rows: list[int], span: int) -> torch.Tensor:
+        """Pool token index [len(rows), span] of slots 0..span-1 of each row (unowned: block 0)."""
+        width = -(-span // self.block_size)
+        table = torch.tensor([(self.tables[r] + [0] * width)[:width] for r in rows], dtype=torch.long)
+        slots = torch.arange(span)
+        index = table[:, slots // self.block_size] * self.block_size + slots % self.block_size
+        return index.to(self.device)
+
+    def prepare(self, rows: list[int], positions: torch.Tensor) -> None:
+        """Before a forward of q new entries for each of `rows`, at slots positions [n, q]."""
+        ends = (positions[:, -1] + 1).tolist()
+        for row, end in zip(rows, ends):
+            self.ensure(row, end)
+        self.read_index = self.slot_index(rows, max(ends))
+        self.write_index = self.read_index.gather(1, positions)
+
+    def install(self, row: int, entries: SeqKV) -> None:
+        """Write one sequence's real entries (oldest first) into slots 0.. of `row`."""
+        count_ = count(entries)
+        self.ensure(row, count_)
+        index = self.slot_index([row], count_)[0]
+        for layer, (k, v) in zip(self.layers, entries, strict=True):
+            layer.keys.index_copy_(0, index, k[0].transpose(0, 1))
+            layer.values.index_copy_(0, index, v[0].transpose(0, 1))
+
+    def row(self, row: int, count_: int) -> SeqKV:
+        """Row `row`'s first `count_` entries of every layer, [1, H, count_, D] each (copies)."""
+        index = self.slot_index([row], count_)[0]
+        return [
+            (
+                layer.keys.index_select(0, index).transpose(0, 1)[None],
+                layer.values.index_select(0, index).transpose(0, 1)[None],
+            )
+            for layer in self.layers
+        ]

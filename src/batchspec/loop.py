@@ -1,44 +1,54 @@
-"""The engine iteration: admit waiting sequences into free rows, step the running rows, retire
-finished and cancelled ones. One code path for the offline `ragged` method (`ragged.run` drives
-it to completion) and the online server (`online.OnlineEngine` drives it from a thread).
+"""The engine iteration: retire cancelled sequences, admit waiting ones into free rows (chunked
+prefill, admission.py), step the running rows. One code path for the offline `ragged` method
+(`ragged.run` drives it to completion) and the online server (`online.OnlineEngine` drives it
+from a thread).
 
-The loop holds a batch layout that admits rows (`ragged.RaggedBatch`: `free`, `admit(padded)`,
-`retire()`, plus what `step.decode_step` needs). It never blocks and never talks to clients:
-requests' outputs are handed out by `Context.observe` (see detok.py / online.py).
+The loop holds a `ragged.RaggedBatch`. It never blocks and never talks to clients: requests'
+outputs are handed out by `Context.observe` (see detok.py / online.py).
 Invariant: after `iterate`, no row of the batch is finished or cancelled.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
+from .admission import Admission
 from .sequence import Sequence
-from .step import Context, decode_step, start
+from .step import Context, decode_step
 
 
 class Loop:
-    """Waiting sequences (admitted first in, first out) and the running batch."""
+    """Waiting and prefilling sequences (first in, first out) and the running batch."""
 
-    def __init__(self, ctx: Context, batch):
+    def __init__(self, ctx: Context, batch, prefill_chunk: int | None = None):
         self.ctx, self.batch = ctx, batch
-        self.waiting: deque[Sequence] = deque()
+        self.admission = Admission(ctx, fixed_chunk=prefill_chunk)
+
+    @property
+    def waiting(self) -> deque[Sequence]:
+        return self.admission.waiting
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.admission.add(seq)
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting) or len(self.batch) > 0
+        return self.admission.busy or len(self.batch) > 0
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence the loop holds: waiting, being prefilled, running."""
+        return [*self.admission.sequences(), *self.batch.seqs]
 
     def iterate(self) -> list[Sequence]:
-        """Drop cancelled sequences, admit waiting ones into free rows (one prefill), then one
-        decode step over the running rows. Returns the sequences that finished."""
+        """Drop cancelled sequences, do one chunk of prefill work, then one decode step over the
+        running rows. Returns the sequences that finished."""
         done = self._drop_cancelled()
-        if self.waiting and self.batch.free:
-            newcomers = [self.waiting.popleft() for _ in range(min(self.batch.free, len(self.waiting)))]
-            done += self._admit(newcomers)
+        done += self.admission.admit(self.batch)
         if len(self.batch):
+            start = time.perf_counter()
             done += decode_step(self.ctx, self.batch)
+            self.admission.observe_step(time.perf_counter() - start)
         return done
 
     def run(self) -> None:
@@ -46,21 +56,19 @@ class Loop:
         while self.busy:
             self.iterate()
 
-    def _admit(self, newcomers: list[Sequence]) -> list[Sequence]:
-        """Prefill newcomers together (shortest first, as one padded batch) and move them in."""
-        padded = start(self.ctx, sorted(newcomers, key=len))
-        if len(padded):
-            with self.ctx.stats.stage("schedule"):
-                self.batch.admit(padded)
-        return [s for s in newcomers if s.finished]
+    def reset(self, batch) -> None:
+        """Start afresh on an empty batch (after a failed step); waiting sequences stay."""
+        self.batch = batch
+        self.admission.partial = None
 
     def _drop_cancelled(self) -> list[Sequence]:
-        """Finish cancelled sequences ("abort"): waiting ones leave the queue, running ones
-        leave the batch now, freeing their rows and slots before the next step."""
-        dropped = [s for s in self.waiting if s.cancelled] + [s for s in self.batch.seqs if s.cancelled]
+        """Finish cancelled sequences ("abort"): waiting ones leave the queue, a prefilling one
+        gives back its reservation, running ones leave the batch now, freeing their rows and KV
+        blocks before the next step."""
+        dropped = [s for s in self.sequences() if s.cancelled]
         if not dropped:
             return []
-        self.waiting = deque(s for s in self.waiting if not s.cancelled)
+        self.admission.drop_cancelled(self.batch)
         for seq in dropped:
             if not seq.finished:
                 seq.finish("abort")

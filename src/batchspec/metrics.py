@@ -38,9 +38,7 @@ class EngineCollector:
         yield _gauge(
             "batchspec_kv_slots_used", "Target KV slots holding entries of running rows", counters.kv_slots_used
         )
-        yield _gauge(
-            "batchspec_kv_slots_total", "Target KV slots (rows x slots per row)", engine.capacity * engine.slots
-        )
+        yield _gauge("batchspec_kv_slots_total", "Target KV tokens the budget allows across all rows", engine.budget)
 
 
 def _accepted(stats) -> int:

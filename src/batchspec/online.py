@@ -68,13 +68,16 @@ class Counters:
 
 
 class OnlineEngine:
-    """Serves requests on a ragged batch of `capacity` rows with `slots` KV slots per row."""
+    """Serves requests on a ragged batch of `capacity` rows whose KV cache holds at most `budget`
+    tokens across all rows."""
 
-    def __init__(self, ctx: Context, capacity: int, slots: int, decode, max_queue: int = 256):
-        self.ctx, self.capacity, self.slots, self.decode = ctx, capacity, slots, decode
+    def __init__(
+        self, ctx: Context, capacity: int, budget: int, decode, max_queue: int = 256, prefill_chunk: int | None = None
+    ):
+        self.ctx, self.capacity, self.budget, self.decode = ctx, capacity, budget, decode
         self.max_queue = max_queue
         ctx.observe = self._observe
-        self.loop = Loop(ctx, self._new_batch())
+        self.loop = Loop(ctx, self._new_batch(), prefill_chunk)
         self.requests: dict[int, Request] = {}  # id(seq) -> request, engine thread only
         self.inbox: queue.Queue[Request] = queue.Queue()
         self.lock = threading.Lock()
@@ -84,7 +87,7 @@ class OnlineEngine:
         self.thread = threading.Thread(target=self._main, name="batchspec-engine", daemon=True)
 
     def _new_batch(self) -> RaggedBatch:
-        return RaggedBatch(self.ctx.models(), self.capacity, self.slots, self.ctx.pad_id, self.ctx.device)
+        return RaggedBatch(self.ctx.models(), self.capacity, self.budget, self.ctx.k, self.ctx.pad_id, self.ctx.device)
 
     def start(self) -> OnlineEngine:
         self.thread.start()
@@ -133,7 +136,7 @@ class OnlineEngine:
             stopping = self.stopping
         if stopping:
             self._take_inbox(block=False)
-            for seq in list(self.loop.waiting) + list(self.loop.batch.seqs):
+            for seq in self.loop.sequences():
                 seq.cancelled = True
         return stopping and not self.loop.busy
 
@@ -150,7 +153,10 @@ class OnlineEngine:
             pass
 
     def _observe(self, seqs: list[Sequence]) -> None:
-        """Output processor: each request's new tokens -> text chunk; stop strings finish rows."""
+        """Output processor: each request's new tokens -> text chunk; stop strings finish rows.
+        The queue length is brought up to date first: a client that has its first tokens must
+        no longer count as waiting."""
+        self._update_queue()
         for seq in seqs:
             request = self.requests.get(id(seq))
             if request is None or seq.cancelled:
@@ -188,11 +194,14 @@ class OnlineEngine:
             request.seq.finish("error")
             self.counters.outcomes["error"] = self.counters.outcomes.get("error", 0) + 1
             request.emit(Chunk("", [], "error", f"{type(err).__name__}: {err}"))
-        self.loop.batch = self._new_batch()
+        self.loop.reset(self._new_batch())
 
-    def _update_gauges(self) -> None:
+    def _update_queue(self) -> None:
         with self.lock:
             self.queued = self.inbox.qsize() + len(self.loop.waiting)
             self.counters.queue_length = self.queued
+
+    def _update_gauges(self) -> None:
+        self._update_queue()
         self.counters.running = len(self.loop.batch)
-        self.counters.kv_slots_used = self.loop.batch.slots_in_use()
+        self.counters.kv_slots_used = self.loop.batch.tokens_held()

@@ -12,11 +12,15 @@ row behaves exactly as if it had been asked for that many, whatever the rest of 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from .sampling import RowParams, probabilities, sample
 from .verifier import forward
+
+if TYPE_CHECKING:
+    from .step import Layout
 
 
 @dataclass
@@ -24,6 +28,19 @@ class Proposal:
     drafts: torch.Tensor  # [B, k] full-vocabulary ids
     draft_probs: torch.Tensor | None  # [B, k, V] when sampling, else None
     num_proposed: torch.Tensor | None = None  # [B]; None means k for every row
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """What the step needs of a proposer. `role` names the cache it keeps in the batch layout
+    (None: no model, no cache); `model` is that cache's model (None without one)."""
+
+    role: str | None
+    model: torch.nn.Module | None
+
+    def propose(self, batch: Layout, k: int, params: RowParams, uniforms: torch.Tensor | None) -> Proposal:
+        """Up to k drafts per row of `batch` (a step.Layout); uniforms [B, k] when sampling."""
+        ...
 
 
 class DraftProposer:
@@ -36,7 +53,7 @@ class DraftProposer:
         self.vocab_size = vocab_size  # the target's vocabulary (size of draft_probs' last dim)
         self.vocab_ids = vocab_ids  # [V_head] head index -> full id, or None for a full head
 
-    def propose(self, batch, k: int, params: RowParams, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, batch: Layout, k: int, params: RowParams, uniforms: torch.Tensor | None) -> Proposal:
         """k tokens per row with k forwards: the pending tokens first, then each new draft but the
         last (whose KV is never needed unless all k are accepted; see realign.py's lag)."""
         ids = batch.pending(self.role)
@@ -47,8 +64,6 @@ class DraftProposer:
             drafts.append(token)
             probs.append(p)
             ids = token[:, None]
-            if i == k - 1:
-                break
         draft_probs = None if params.greedy else torch.stack(probs, dim=1)
         return Proposal(torch.stack(drafts, dim=1), draft_probs)
 
@@ -74,12 +89,13 @@ class NgramProposer:
     `max_n` down to `min_n`) and propose the tokens that followed it. No model, no cache."""
 
     role = None
+    model = None
 
     def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 1):
         self.vocab_size = vocab_size
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, batch, k: int, params: RowParams, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, batch: Layout, k: int, params: RowParams, uniforms: torch.Tensor | None) -> Proposal:
         rows = [lookup(s.token_ids, k, self.max_n, self.min_n) for s in batch.seqs]
         device = batch.device
         counts = torch.tensor([len(r) for r in rows], device=device)

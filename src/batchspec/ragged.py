@@ -1,114 +1,82 @@
 """`ragged`: a realignment-free batch. Every row has its own cache offset; nothing is ever shifted.
 
-Each role (target, draft) keeps one preallocated buffer per layer, [capacity, H_kv, S, D]; row b's
-real entries are slots 0 .. count_b - 1. A forward of q new tokens per row writes them at slots
-o_b .. o_b + q - 1 (one scatter per layer) with positions o_b + i and a 4-D mask in which query i
-of row b sees slots j <= o_b + i. Rejected drafts are rolled back by not counting them: their
-slots are overwritten next step. No unpad, no repad, no copy.
+Row b's real entries are its slots 0 .. count_b - 1, kept for each role (target, draft) in a
+`kv.PagedCache`: one pool of fixed-size blocks per layer, allocated as the row grows. A forward of
+q new tokens per row writes them at slots o_b .. o_b + q - 1 with positions o_b + i and a 4-D mask
+in which query i of row b sees slots j <= o_b + i. Rejected drafts are rolled back by not counting
+them: their slots are overwritten next step. No unpad, no repad, no entry ever copied.
 
-Rows are kept packed in slots 0 .. n-1, so every forward works on a view of the buffers. A row
-that finishes is replaced by the last row (one row copy), and waiting sequences (shortest prompt
-first) are admitted into the free slots at the end: prefilled together as a padded batch, then
-copied in once. EXSPEC's pool comes for free.
+Rows 0 .. n-1 run; a row that finishes frees its blocks and the last row takes its place (its
+block table moves, not its entries). Waiting sequences are admitted into free rows while others
+decode: prefilled in bounded chunks between steps (admission.py; a long prompt neither pads short
+ones nor stalls the running rows), then copied in once.
 
-The price: attention runs over slots up to the longest row for every row (masked), and the
-buffers are sized for the longest request up front (`kv_budget_tokens` slots per row).
+Memory: `kv_budget_tokens` bounds the tokens the pool may hold across all rows. A sequence is
+admitted only when its worst case (prompt + max_new_tokens + k + 1 draft slots) fits beside the
+reservations of the running rows, so a running row never waits for memory; the pool itself grows
+with the tokens actually held. EXSPEC's pool comes for free.
+
+The price: attention gathers every row's slots up to the longest running row (masked), one
+index_select per layer and forward.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import kv
 from .batch import PaddedBatch
 from .errors import BatchspecError
-from .sequence import Sequence
 from .loop import Loop
+from .sequence import Sequence
 from .step import Context
 
 
-class SlotLayer(CacheLayerMixin):
-    """One layer's buffers; `update` scatters the new keys/values at the cache's write index."""
-
-    is_sliding = False
-
-    def __init__(self, owner: "SlotCache", keys: torch.Tensor, values: torch.Tensor):
-        super().__init__()
-        self.owner, self.keys, self.values = owner, keys, values
-        self.is_initialized, self.device = True, keys.device
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist from the start
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        """key_states [n, H, q, D] -> the n active rows' keys/values over slots [0, span)."""
-        n, span, index = self.owner.rows, self.owner.span, self.owner.write_index  # index [n, q]
-        idx = index[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[3])
-        keys, values = self.keys[:n], self.values[:n]
-        keys.scatter_(2, idx, key_states)
-        values.scatter_(2, idx, value_states)
-        return keys[:, :, :span], values[:, :, :span]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.span, 0
-
-    def get_seq_length(self) -> int:
-        return self.owner.span
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[2]
-
-
-class SlotCache(Cache):
-    """A transformers Cache over preallocated per-row slots. Before each forward the batch sets
-    `rows` (active rows 0..n-1), `write_index` [n, q] and `span` (slots attended)."""
-
-    def __init__(self, config, capacity: int, slots: int, dtype, device):
-        heads = config.num_key_value_heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (capacity, heads, slots, dim)
-        layers = [
-            SlotLayer(
-                self, torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-            )
-            for _ in range(config.num_hidden_layers)
-        ]
-        super().__init__(layers=layers)
-        self.rows, self.span = 0, 0
-        self.write_index = torch.zeros(0, 0, dtype=torch.long, device=device)
-
-    def move_row(self, src: int, dst: int, count: int) -> None:
-        for layer in self.layers:
-            layer.keys[dst, :, :count] = layer.keys[src, :, :count]
-            layer.values[dst, :, :count] = layer.values[src, :, :count]
-
-    def install(self, row: int, entries: kv.SeqKV) -> None:
-        """Copy one sequence's real entries (oldest first) into slots 0.. of `row`."""
-        for layer, (k, v) in zip(self.layers, entries, strict=True):
-            n = k.shape[2]
-            layer.keys[row, :, :n] = k[0]
-            layer.values[row, :, :n] = v[0]
+def need(seq: Sequence, k: int) -> int:
+    """KV slots a sequence may hold at most: prompt + new tokens + k + 1 for a step's drafts."""
+    return seq.max_len + k + 1
 
 
 class RaggedBatch:
-    """Active sequences in slots 0..n-1 of one SlotCache per role; `counts[role][b]` entries of
-    row b are real. Between `pending` and `realign`, `heads[role][b]` is the next write slot."""
+    """Running sequences in rows 0..n-1, their entries in one `kv.PagedCache` per role;
+    `counts[role][b]` entries of row b are real. Between `pending` and `realign`, `heads[role][b]`
+    is the next write slot. `reserved` is the budget promised to the running rows and to the
+    `incoming` sequences being prefilled for it."""
 
-    def __init__(self, models: dict, capacity: int, slots: int, pad_id: int, device):
+    def __init__(self, models: dict, capacity: int, budget: int, k: int, pad_id: int, device):
         self.seqs: list[Sequence] = []
-        self.capacity, self.slots, self.pad_id, self.device = capacity, slots, pad_id, device
-        dtype = next(models["target"].parameters()).dtype
-        self.caches = {role: SlotCache(m.config, capacity, slots, dtype, device) for role, m in models.items()}
+        self.capacity, self.budget, self.k, self.pad_id, self.device = capacity, budget, k, pad_id, device
+        self.caches = {
+            role: kv.PagedCache(m.config, next(m.parameters()).dtype, device, budget + capacity * kv.BLOCK)
+            for role, m in models.items()
+        }
         self.counts = {role: torch.zeros(capacity, dtype=torch.long, device=device) for role in models}
         self.heads = {role: torch.zeros(capacity, dtype=torch.long, device=device) for role in models}
+        self.reserved = self.incoming = 0
+        self.peak_tokens = 0  # most pool tokens (all roles' pools alike) allocated at once
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     @property
     def free(self) -> int:
-        return self.capacity - len(self.seqs)
+        return self.capacity - len(self.seqs) - self.incoming
+
+    def fits(self, seq: Sequence, extra: list[Sequence] = ()) -> bool:
+        """Whether `seq` (beside `extra`, not reserved yet) can start its prefill now: a free row
+        and budget for its worst case."""
+        want = sum(need(s, self.k) for s in [*extra, seq])
+        return self.free > len(extra) and self.reserved + want <= self.budget
+
+    def reserve(self, seqs: list[Sequence]) -> None:
+        """Hold a row and worst-case budget for each of `seqs` while they are prefilled."""
+        self.reserved += sum(need(s, self.k) for s in seqs)
+        self.incoming += len(seqs)
+
+    def unreserve(self, seqs: list[Sequence]) -> None:
+        """Give back what `reserve` held for sequences that will not enter (done at prefill)."""
+        self.reserved -= sum(need(s, self.k) for s in seqs)
+        self.incoming -= len(seqs)
 
     def _lengths(self) -> torch.Tensor:
         return torch.tensor([len(s) for s in self.seqs], device=self.device)
@@ -126,18 +94,16 @@ class RaggedBatch:
         """Write the next q tokens of each row at its head; mask and positions per row."""
         n, cache = len(self.seqs), self.caches[role]
         start = self.heads[role][:n]
-        steps = torch.arange(q, device=self.device)
-        positions = start[:, None] + steps[None, :]  # [n, q]
-        cache.rows, cache.write_index = n, positions
-        cache.span = int(positions[:, -1].max()) + 1
-        slots = torch.arange(cache.span, device=self.device)
-        mask = slots[None, None, :] <= positions[:, :, None]  # [n, q, span]: causal, per row
+        positions = start[:, None] + torch.arange(q, device=self.device)[None, :]  # [n, q]
+        cache.prepare(list(range(n)), positions)
+        span = cache.read_index.shape[1]
+        self.peak_tokens = max(self.peak_tokens, cache.blocks * cache.block_size)
+        mask = torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None]  # [n, q, span]
         self.heads[role][:n] = start + q
         return {"attention_mask": mask[:, None], "position_ids": positions, "cache": cache}
 
     def realign(self) -> list[Sequence]:
-        """No realignment: count the entries that hold committed tokens, then retire finished
-        rows."""
+        """No realignment: count the entries that hold committed tokens, then retire finished rows."""
         n = len(self.seqs)
         lengths = self._lengths()
         for role in self.caches:
@@ -145,81 +111,88 @@ class RaggedBatch:
         return self.retire()
 
     def retire(self) -> list[Sequence]:
-        """Remove finished rows (also between steps: cancelled ones) by moving the last row into
-        their slot; their slots are free at once. Returns the removed sequences."""
+        """Remove finished rows: free their blocks and budget, and move the last row's block table
+        into the hole (no entry is copied). Returns the removed sequences."""
         finished = [s for s in self.seqs if s.finished]
         for row in sorted((i for i, s in enumerate(self.seqs) if s.finished), reverse=True):
             last = len(self.seqs) - 1
-            if row != last:
-                for role, cache in self.caches.items():
-                    cache.move_row(last, row, int(self.counts[role][last]))
+            self.reserved -= need(self.seqs[row], self.k)
+            for role, cache in self.caches.items():
+                cache.release(row)
+                if row != last:
+                    cache.move_table(last, row)
                     self.counts[role][row] = self.counts[role][last]
-                self.seqs[row] = self.seqs[last]
+            self.seqs[row] = self.seqs[last]
             self.seqs.pop()
         return finished
 
-    def slots_in_use(self) -> int:
-        """Target KV entries held by the running rows (the metric), summed over rows."""
-        return int(self.counts["target"][: len(self.seqs)].sum())
-
     def admit(self, batch: PaddedBatch) -> None:
-        """Take over the rows of a prefilled padded batch (their real entries, copied once)."""
+        """Take over the reserved rows of a prefilled padded batch (their entries, copied once)."""
         starts = batch.pad_left.tolist()
         for role, cache in batch.caches.items():
             for i, entries in enumerate(kv.split(cache, starts)):
                 self.caches[role].install(len(self.seqs) + i, entries)
-                self.counts[role][len(self.seqs) + i] = entries[0][0].shape[2] if entries else 0
+                self.counts[role][len(self.seqs) + i] = kv.count(entries)
+        self.incoming -= len(batch.seqs)
         self.seqs.extend(batch.seqs)
 
-    def bytes_per_row(self) -> int:
-        """KV buffer bytes one row holds, all roles and layers, keys and values."""
-        return sum(
-            c.layers[0].keys[0].numel() * c.layers[0].keys.element_size() * 2 * len(c.layers)
-            for c in self.caches.values()
-        )
+    def tokens_held(self) -> int:
+        """Target entries held by the running rows."""
+        return int(self.counts["target"][: len(self.seqs)].sum())
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one token holds, all roles and layers, keys and values."""
+        return sum(cache.bytes_per_token for cache in self.caches.values())
 
     # --- introspection for the invariant checker --------------------------------------------
     def cached_counts(self, role: str) -> list[int]:
         return self.counts[role][: len(self.seqs)].tolist()
 
     def row_cache(self, role: str, row: int) -> kv.SeqKV:
-        n = int(self.counts[role][row])
-        return [
-            (layer.keys[row : row + 1, :, :n], layer.values[row : row + 1, :, :n]) for layer in self.caches[role].layers
-        ]
+        return self.caches[role].row(row, int(self.counts[role][row]))
 
     def check_layout(self) -> None:
-        assert len(self.seqs) <= self.capacity, "more rows than slots"
-        assert all(len(s) + 1 <= self.slots for s in self.seqs), "a row outgrew its slots"
+        assert len(self.seqs) <= self.capacity, "more rows than the batch holds"
+        assert self.reserved <= self.budget, "more KV reserved than the budget"
+        for role, cache in self.caches.items():
+            owned = sum(len(cache.tables[r]) for r in range(len(self.seqs)))
+            assert owned + len(cache.free_blocks) == cache.blocks, f"{role}: a block leaked or is owned twice"
+            assert all(not cache.tables[r] for r in range(len(self.seqs), len(cache.tables))), (
+                f"{role}: a free row owns blocks"
+            )
 
 
-def kv_budget(seqs: list[Sequence], k: int, budget: int | None) -> int:
-    """Slots per row: the stated budget, or what the longest request needs (prompt +
-    max_new_tokens + k draft slots). A request that cannot fit is refused up front."""
-    need = max(s.max_len + k + 1 for s in seqs)
+def kv_budget(seqs: list[Sequence], k: int, budget: int | None, rows: int) -> int:
+    """Tokens the KV pool may hold across all rows: the stated budget, or enough for the `rows`
+    largest requests at once. A request that cannot fit even alone is refused up front."""
+    needs = sorted((need(s, k) for s in seqs), reverse=True)
     if budget is None:
-        return need
-    too_long = [s for s in seqs if s.max_len + k + 1 > budget]
-    if too_long:
-        s = too_long[0]
+        return sum(needs[:rows])
+    if needs[0] > budget:
+        s = max(seqs, key=lambda s: need(s, k))
         raise BatchspecError(
-            f"request {s.index} needs {s.max_len + k + 1} KV slots ({s.prompt_len} prompt + "
-            f"{s.max_len - s.prompt_len} new + {k + 1} for drafts) but the KV budget is {budget} per row; "
+            f"request {s.index} needs {need(s, k)} KV slots ({s.prompt_len} prompt + "
+            f"{s.max_len - s.prompt_len} new + {k + 1} for drafts) but the KV budget is {budget} tokens; "
             "raise --kv-budget or lower --max-new-tokens"
         )
     return budget
 
 
 def run(ctx: Context, seqs: list[Sequence], config) -> None:
-    """Decode `seqs` in place: continuous admission into a ragged batch of `batch_size` rows, as a
+    """Decode `seqs` in place: continuous admission (chunked prefill) into a ragged batch, as a
     client of the engine loop (loop.py) that the server runs too."""
-    slots = kv_budget(seqs, ctx.k, config.kv_budget_tokens)
-    batch = RaggedBatch(ctx.models(), config.batch_size, slots, ctx.pad_id, ctx.device)
-    ctx.stats.extra.update(kv_budget_tokens=slots, kv_bytes=batch.bytes_per_row() * config.batch_size)
-    loop = Loop(ctx, batch)
+    budget = kv_budget(seqs, ctx.k, config.kv_budget_tokens, config.batch_size)
+    batch = RaggedBatch(ctx.models(), config.batch_size, budget, ctx.k, ctx.pad_id, ctx.device)
+    loop = Loop(ctx, batch, config.prefill_chunk)
     # All requests are known up front, so admit shortest first (as static batches sort by length):
-    # rows in flight then have similar lengths, and neither prefill padding nor the attention span
-    # (up to the longest row) is wasted on a mix of short and long prompts.
+    # rows in flight then have similar lengths, and the attention span (up to the longest row) is
+    # not wasted on a mix of short and long prompts.
     for seq in sorted(seqs, key=len):
         loop.add(seq)
     loop.run()
+    ctx.stats.extra.update(
+        kv_budget_tokens=budget,
+        kv_peak_tokens=batch.peak_tokens,
+        kv_peak_bytes=batch.peak_tokens * batch.bytes_per_token(),
+        prefill_chunks=loop.admission.chunks,
+    )

@@ -25,8 +25,6 @@ import torch
 class RolePlan:
     """How one role's cache moves: new[b, :, j] = old[rows[b], :, index[b, j]]."""
 
-    lag: int
-    width: int  # new cache width = new batch width - lag
     index: torch.Tensor | None  # [B', width]; None when the move is the identity
 
 
@@ -72,5 +70,5 @@ def plan(
         new_width = width - lag
         identity = same_rows and new_width == old_width and bool((pad_left == old_pad).all())
         index = None if identity else shift_index(old_pad, keep, old_width)
-        roles[role] = RolePlan(lag=lag, width=new_width, index=index)
+        roles[role] = RolePlan(index=index)
     return Plan(rows=rows, pad_left=pad_left, width=width, roles=roles)

@@ -9,8 +9,8 @@ method is tested against this.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
+from . import kv
 from .sampling import probabilities, sample
 from .sequence import Sequence
 from .step import Context
@@ -21,7 +21,7 @@ def generate_one(target, seq: Sequence, observe=None) -> None:
     """Decode `seq` to completion in place, with its own SamplingParams; `observe([seq])` after
     each token (the output processor: stop strings)."""
     params = seq.params
-    cache = DynamicCache(config=target.config)
+    cache = kv.reference_cache(target.config)
     ids = torch.tensor([seq.token_ids], device=target.device)
     while True:
         logits = target(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]

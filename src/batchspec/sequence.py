@@ -27,7 +27,6 @@ class Sequence:
 
     index: int  # position in the caller's input list; results come back in this order
     prompt_ids: list[int]
-    max_new_tokens: int
     max_len: int  # hard cap on len(token_ids): min(prompt + max_new_tokens, context)
     eos_ids: frozenset[int]
     generator: torch.Generator | None = None  # per-request randomness (sampling only)

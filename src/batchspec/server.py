@@ -32,8 +32,8 @@ from .online import Request as EngineRequest
 from .sampling import make_generator
 from .sequence import Sequence
 
-#: KV slots per row when --kv-budget is not given (or the model's context, if smaller).
-DEFAULT_KV_BUDGET = 2048
+#: KV tokens per row of the batch when --kv-budget is not given (or the model's context, if smaller).
+DEFAULT_KV_PER_ROW = 2048
 
 
 class Service:
@@ -41,7 +41,7 @@ class Service:
 
     def __init__(self, engine: OnlineEngine, pair, model_name: str, tokenizer_lock: threading.Lock):
         self.engine, self.pair, self.model_name, self.lock = engine, pair, model_name, tokenizer_lock
-        self.k, self.slots, self.context = engine.ctx.k, engine.slots, pair.context_len
+        self.k, self.budget, self.context = engine.ctx.k, engine.budget, pair.context_len
         self.rejected: dict[str, int] = {}  # outcome -> requests refused before the engine
 
     def encode(self, job: api.Job) -> list[int]:
@@ -52,7 +52,7 @@ class Service:
 
     def sequence(self, job: api.Job, ids: list[int]) -> Sequence:
         """Check the prompt against the context and the KV budget; the request's Sequence."""
-        room = self.slots - self.k - 1  # a row's slots, less the draft slots of its last step
+        room = self.budget - self.k - 1  # the whole budget, less the draft slots of a last step
         n = len(ids)
         if n >= self.context:
             raise api.BadRequest(
@@ -65,7 +65,7 @@ class Service:
         if max_tokens < 1 or n + max_tokens > room:
             raise api.BadRequest(
                 f"the prompt ({n} tokens) + max_tokens ({max_tokens}) + {self.k + 1} draft slots = "
-                f"{n + max_tokens + self.k + 1} exceeds the KV budget of {self.slots} slots per row",
+                f"{n + max_tokens + self.k + 1} exceeds the KV budget of {self.budget} tokens",
                 "max_tokens",
                 code="context_length_exceeded",
             )
@@ -73,7 +73,6 @@ class Service:
         return Sequence(
             index=0,
             prompt_ids=ids,
-            max_new_tokens=max_tokens,
             max_len=min(n + max_tokens, self.context),
             eos_ids=frozenset() if params.ignore_eos else self.pair.eos_ids,
             generator=None if params.greedy else make_generator(params.seed),
@@ -256,7 +255,7 @@ def run_cli(args) -> int:
     app = create_app(service)
     print(
         f"batchspec: serving {service.model_name!r} on http://{args.host}:{args.port} "
-        f"(k={service.k}, {service.engine.capacity} rows x {service.slots} KV slots)",
+        f"(k={service.k}, {service.engine.capacity} rows, KV budget {service.budget} tokens)",
         file=sys.stderr,
         flush=True,
     )
@@ -288,6 +287,7 @@ def build_service(args) -> Service:
         batch_size=args.batch_size,
         proposer=args.proposer,
         kv_budget_tokens=args.kv_budget_tokens,
+        prefill_chunk=args.prefill_chunk,
     )
     pair = load_models(args)
     decoder = SpecDecoder(pair, config)  # builds and checks the proposer
@@ -299,13 +299,13 @@ def build_service(args) -> Service:
         pad_id=pair.pad_id,
         device=pair.device,
     )
-    slots = args.kv_budget_tokens or min(pair.context_len, DEFAULT_KV_BUDGET)
+    budget = args.kv_budget_tokens or config.batch_size * min(pair.context_len, DEFAULT_KV_PER_ROW)
     lock = threading.Lock()
 
     def decode(ids: list[int]) -> str:
         with lock:
             return pair.decode(ids)
 
-    engine = OnlineEngine(ctx, config.batch_size, slots, decode, args.max_queue)
+    engine = OnlineEngine(ctx, config.batch_size, budget, decode, args.max_queue, args.prefill_chunk)
     name = args.served_model_name or pair.name
     return Service(engine, pair, name, lock)

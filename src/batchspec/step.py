@@ -1,8 +1,8 @@
 """One step of any method over any batch layout: prefill, or propose -> verify -> accept ->
 commit -> realign.
 
-A layout (`PaddedBatch`, `RaggedBatch`) provides `seqs`, `pending(role)`, `inputs(role, q)` and
-`realign()`; the step does not know how rows are stored. `k = 0` (no proposer) is plain
+A layout (`PaddedBatch`, `RaggedBatch`, the broken baselines' batches) is anything that meets the
+`Layout` protocol; the step does not know how rows are stored. `k = 0` (no proposer) is plain
 autoregressive decoding: the target's bonus token only.
 
 Sampling parameters are per row (each Sequence's SamplingParams, stacked into `RowParams` every
@@ -18,18 +18,53 @@ retires finished rows: the output processor (stop strings, streaming) finishes r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from . import acceptance, kv
 from .batch import PaddedBatch
-from .proposer import Proposal
+from .proposer import Proposal, Proposer
 from .sampling import RowParams, draw_uniforms, probabilities, sample
 from .sequence import Sequence, Status
 from .stats import Stats
 from .verifier import forward, verify
+
+
+@runtime_checkable
+class Layout(Protocol):
+    """What a step needs of a batch layout. Roles are "target" and the proposer's cache role."""
+
+    seqs: list[Sequence]  # the running rows, in row order
+    device: torch.device
+
+    def __len__(self) -> int: ...
+
+    def pending(self, role: str) -> torch.Tensor:
+        """ids [B, q]: the committed tokens `role` has not cached yet (q >= 1)."""
+        ...
+
+    def inputs(self, role: str, q: int) -> dict:
+        """Model kwargs (attention_mask, position_ids, cache) to feed q new tokens per row."""
+        ...
+
+    def realign(self) -> list[Sequence]:
+        """After tokens were committed: restore the layout's invariants, drop finished rows."""
+        ...
+
+    def cached_counts(self, role: str) -> list[int]:
+        """Real entries of each row in `role`'s cache (for the invariant checker)."""
+        ...
+
+    def row_cache(self, role: str, row: int) -> kv.SeqKV:
+        """Row `row`'s real entries of `role`'s cache, oldest first."""
+        ...
+
+    def check_layout(self) -> None:
+        """Assert the layout's structural invariants."""
+        ...
 
 
 @dataclass
@@ -37,7 +72,7 @@ class Context:
     """What a method needs to run steps: models, parameters, and where to report."""
 
     target: torch.nn.Module
-    proposer: object | None  # DraftProposer | NgramProposer | None
+    proposer: Proposer | None
     k: int  # draft tokens per step; 0 for plain decoding
     pad_id: int
     device: torch.device
@@ -50,12 +85,12 @@ class Context:
     def models(self) -> dict:
         """Models that keep a cache, by role: the target, and the draft if the proposer has one."""
         out = {"target": self.target}
-        if getattr(self.proposer, "role", None):
+        if self.proposer is not None and self.proposer.role:
             out[self.proposer.role] = self.proposer.model
         return out
 
 
-def start(ctx: Context, seqs: list[Sequence], batch_cls=None):
+def start(ctx: Context, seqs: list[Sequence], batch_cls: type | None = None) -> Layout:
     """Mark `seqs` running, put them in a fresh padded batch (empty caches) and prefill it.
     Returns the batch, holding the rows that did not finish at once."""
     for seq in seqs:
@@ -66,7 +101,7 @@ def start(ctx: Context, seqs: list[Sequence], batch_cls=None):
     return batch
 
 
-def prefill(ctx: Context, batch) -> list[Sequence]:
+def prefill(ctx: Context, batch: Layout) -> list[Sequence]:
     """Feed every role the rows' uncached tokens; the target's last logits give each row its
     first token. Returns the rows that finished (EOS first, or max_new_tokens == 1)."""
     with ctx.stats.stage("prefill"):
@@ -86,7 +121,7 @@ def prefill(ctx: Context, batch) -> list[Sequence]:
     return finished
 
 
-def decode_step(ctx: Context, batch) -> list[Sequence]:
+def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
     """One speculative (or, with k = 0, plain) step for every row. Returns the finished rows."""
     k, stats = ctx.k, ctx.stats
     params = RowParams.of([s.params for s in batch.seqs], ctx.device)
@@ -120,14 +155,14 @@ def decode_step(ctx: Context, batch) -> list[Sequence]:
     return finished
 
 
-def _after(ctx: Context, batch, finished: list[Sequence]) -> None:
+def _after(ctx: Context, batch: Layout, finished: list[Sequence]) -> None:
     if ctx.check is not None and len(batch):
         ctx.check(batch)
     if finished:
         ctx.on_finish(finished)
 
 
-def _propose(ctx: Context, batch, params: RowParams, u: torch.Tensor | None) -> Proposal:
+def _propose(ctx: Context, batch: Layout, params: RowParams, u: torch.Tensor | None) -> Proposal:
     n = len(batch.seqs)
     if ctx.k == 0 or ctx.proposer is None:
         empty = torch.zeros(n, 0, dtype=torch.long, device=ctx.device)

@@ -6,7 +6,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from .step import Layout
 
 
 def forward(model, ids: torch.Tensor, inputs: dict, last_only: bool = False) -> torch.Tensor:
@@ -15,7 +20,7 @@ def forward(model, ids: torch.Tensor, inputs: dict, last_only: bool = False) -> 
     return out.logits
 
 
-def verify(target, batch, drafts: torch.Tensor) -> torch.Tensor:
+def verify(target, batch: Layout, drafts: torch.Tensor) -> torch.Tensor:
     """drafts [B, k] -> target logits [B, k+1, V] at `[last, d1..dk]`, in one forward pass."""
     ids = torch.cat([batch.pending("target"), drafts], dim=1)
     return forward(target, ids, batch.inputs("target", ids.shape[1]))

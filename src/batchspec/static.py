@@ -1,0 +1,74 @@
+"""Static batches: `ar`, `spec1` and `eqspec` (and the broken baselines' loop).
+
+B sequences are prefilled together and stepped until every row has finished (finished rows leave
+the batch at once), then the next B are taken. Batches are formed from prompts sorted by length
+and prefilled in length buckets, so one long prompt does not pad every row to its length; outputs
+keep the input order. `ar` is the same loop with k = 0 (no proposer).
+"""
+
+from __future__ import annotations
+
+from .batch import PaddedBatch
+from .sequence import Sequence
+from .step import Context, decode_step, start
+from .store import Store
+
+
+def length_buckets(lengths: list[int], slack: float = 1.25) -> list[int]:
+    """Sizes of consecutive buckets of ascending `lengths` such that each bucket, left-padded to its
+    longest row, holds at most `slack` x its real tokens (a row that breaks the bound starts a new
+    bucket). sum(result) == len(lengths)."""
+    sizes: list[int] = []
+    n = tokens = 0
+    for length in lengths:
+        if n and (n + 1) * length > slack * (tokens + length):
+            sizes.append(n)
+            n = tokens = 0
+        n, tokens = n + 1, tokens + length
+    return sizes + [n] if n else sizes
+
+
+def start_bucketed(ctx: Context, seqs: list[Sequence]) -> PaddedBatch:
+    """`start` for a static batch, prefilled in length buckets, then stacked into one padded batch."""
+    seqs = sorted(seqs, key=len)
+    sizes = length_buckets([len(s) for s in seqs])
+    if len(sizes) == 1:
+        return start(ctx, seqs)
+    store, first = Store(ctx), 0
+    for size in sizes:
+        batch = store.prefill(seqs[first : first + size])
+        first += size
+    live = [s for s in seqs if not s.finished]
+    if not live:
+        return batch  # empty: every row finished at its first token
+    with ctx.stats.stage("realign"):
+        batch = store.stack(live)
+    if ctx.check is not None:
+        ctx.check(batch)
+    return batch
+
+
+def run_static(ctx: Context, seqs: list[Sequence], batch_size: int, batch_cls: type = PaddedBatch) -> None:
+    """Decode `seqs` in place, B at a time. A `batch_cls` other than PaddedBatch (the broken
+    baselines) gets a one-shot padded prefill instead of buckets."""
+    ordered = sorted(seqs, key=len)
+    for first in range(0, len(ordered), batch_size):
+        rows = ordered[first : first + batch_size]
+        batch = start_bucketed(ctx, rows) if batch_cls is PaddedBatch else start(ctx, rows, batch_cls)
+        while len(batch):
+            decode_step(ctx, batch)
+
+
+def run_ar(ctx: Context, seqs: list[Sequence], config) -> None:
+    """Plain batched decoding: the engine gives `ar` no proposer and k = 0."""
+    run_static(ctx, seqs, config.batch_size)
+
+
+def run_eqspec(ctx: Context, seqs: list[Sequence], config) -> None:
+    """Synchronous padded batches, realigned after every step (PaddedBatch.realign)."""
+    run_static(ctx, seqs, config.batch_size)
+
+
+def run_spec1(ctx: Context, seqs: list[Sequence], config) -> None:
+    """Textbook speculative decoding, one sequence at a time."""
+    run_static(ctx, seqs, 1)

@@ -1,0 +1,53 @@
+"""Smoke test of scripts/train_draft on the built-in tiny pair: prompts -> target answers -> reduced
+vocabulary -> distillation -> saved weights -> Spec-Bench-style measurement, in a few seconds and
+offline. The saved weights must load with batchspec.draft and give logits over the reduced head."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from batchspec.draft import load_default_draft
+from batchspec.models import load_pair
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "train_draft")
+VOCAB = 48
+
+
+def test_train_draft_tiny_end_to_end(tmp_path):
+    bench = tmp_path / "question.jsonl"
+    rows = [("writing", "Write a haiku about rain."), ("math", "What is 7 times 6?"), ("math", "Is 91 prime?")]
+    bench.write_text("".join(json.dumps({"category": c, "turns": [t]}) + "\n" for c, t in rows), encoding="utf-8")
+    out = tmp_path / "draft.safetensors"
+    args = ["--pair", "tiny", "--data", str(tmp_path / "data.pt"), "--out", str(out), "--prompt-scale", "0.01"]
+    args += ["--article-tokens", "8", "--max-new-tokens", "6", "--gen-batch", "64", "--vocab", str(VOCAB)]
+    args += ["--steps", "2", "--batch-tokens", "512", "--eval-every", "1", "--log-every", "1"]
+    args += ["--eval-specbench", str(bench), "--eval-per-category", "2", "--eval-tokens", "4", "--eval-exact", "2"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "after training" in run.stdout
+
+    meta = json.loads((tmp_path / "draft.json").read_text(encoding="utf-8"))
+    assert meta["architecture"]["vocab_size_reduced"] == VOCAB
+    assert meta["training"]["steps"] == 2
+    assert meta["data"]["sequences"] == meta["data"]["train_sequences"] + meta["data"]["val_sequences"]
+    assert meta["command"].startswith("python scripts/train_draft --pair tiny")
+    assert set(meta["specbench"]["per_category"]) == {"writing", "math"}
+    assert meta["specbench"]["cost"]["ratio"] > 0
+
+    target = load_pair("tiny", dtype="float32", device="cpu").target
+    draft = load_default_draft(target, torch.float32, path=str(out))
+    assert draft.vocab_ids.shape == (VOCAB,)
+    assert bool((draft.vocab_ids[1:] > draft.vocab_ids[:-1]).all()), "vocab_ids must be sorted and unique"
+    assert int(target.config.eos_token_id) in draft.vocab_ids.tolist()
+    ids = torch.randint(0, target.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = draft(ids, use_cache=False).logits
+    assert logits.shape == (2, 5, VOCAB)
+    assert bool(torch.isfinite(logits).all())
