@@ -11,8 +11,8 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 
 import httpx
