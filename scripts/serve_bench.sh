@@ -8,7 +8,7 @@ requests=${1:-16}; max_tokens=${2:-64}; port=${PORT:-8431}
 mkdir -p docs/serving
 for mode in spec plain; do
   opts="--proposer ngram -k 4"; [ "$mode" = plain ] && opts="--no-spec"
-  python -m batchspec.cli serve --pair default --batch-size 16 --kv-budget 1024 --port "$port" $opts &
+  python -m batchspec.cli serve --pair default --batch-size 16 --kv-budget 16384 --port "$port" $opts &
   pid=$!
   until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do sleep 1; done
   for c in 1 4 16; do
