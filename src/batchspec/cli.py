@@ -81,7 +81,7 @@ def _decode_options(p: argparse.ArgumentParser, one_method: bool) -> None:
         "--kv-budget",
         type=int,
         dest="kv_budget_tokens",
-        help="ragged: tokens the KV cache may hold across all rows (default: the largest requests of one batch)",
+        help="ragged: KV tokens all rows may reserve together (default: the largest requests of one batch)",
     )
     g.add_argument(
         "--check-invariants", action="store_true", help="check every synchronization invariant after each step (slow)"
@@ -125,7 +125,7 @@ def _serve_parser(sub) -> None:
         "--kv-budget",
         type=int,
         dest="kv_budget_tokens",
-        help="tokens the KV cache may hold across all rows; a request's prompt + max_tokens + k + 1 must fit "
+        help="KV tokens all rows may reserve together; a request's prompt + max_tokens + k + 1 must fit "
         "(default: batch size x min(context, 2048))",
     )
     g.add_argument(

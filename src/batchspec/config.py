@@ -64,8 +64,8 @@ class EngineConfig:
 
     k: draft tokens per step (speculative methods). batch_size: rows per forward pass.
     window_size: EXSPEC's active pool (default 4 x batch_size). min_group: smallest same-length
-    group EXSPEC runs without padding (default batch_size). kv_budget_tokens: tokens the
-    ragged layout's KV pool may hold across all rows (default: its batch_size largest requests).
+    group EXSPEC runs without padding (default batch_size). kv_budget_tokens: KV tokens the
+    ragged layout's rows may reserve together (default: its batch_size largest requests).
     """
 
     method: str = methods.DEFAULT_METHOD

@@ -6,9 +6,9 @@
   no copy of the cache; transformers' `DynamicCache` concatenates, i.e. copies every layer's whole
   cache on every forward. Each function that moves entries (gather, stack) writes into a fresh
   buffer with `RESERVE` spare columns, enough for one speculative step without growing.
-- `PagedCache` (the `ragged` layout) keeps every row's entries in one pool of fixed-size blocks
-  per layer, allocated as rows grow; before each forward the batch says which rows run and where
-  each writes. Entries never move; a retired row's blocks are freed.
+- `SlotCache` (the `ragged` layout) keeps per-row slots [capacity, H_kv, S, D] per layer, S growing
+  with the longest running row; before each forward the batch says where each row writes and how
+  many slots are attended. Attention reads views of the buffers.
 - `reference_cache` is transformers' own `DynamicCache`, for the oracle and the invariant checker:
   they must not share this module's buffer code, so a bug here cannot hide in both.
 
@@ -26,7 +26,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 
 SeqKV = list[tuple[torch.Tensor, torch.Tensor]]
 RESERVE = 32  # spare columns allocated past the width whenever entries are moved
-BLOCK = 16  # tokens per block of the paged pool
 
 
 class BufferLayer(CacheLayerMixin):
@@ -196,141 +195,104 @@ def pad_columns_left(cache: BufferCache, n: int) -> None:
             layer.hold(keys, values, width_)
 
 
-# --- the ragged layout's paged pool --------------------------------------------------------------
+# --- the ragged layout's per-row slots ---------------------------------------------------------
 
 
-class PagedLayer(CacheLayerMixin):
-    """One layer's pools [tokens, H_kv, D]; `update` writes the new entries at the cache's write
-    index, then gathers every running row's slots [0, span) for attention."""
+class SlotLayer(CacheLayerMixin):
+    """One layer's buffers; `update` scatters the new keys/values at the cache's write index and
+    returns views of the running rows' slots [0, span) (no copy)."""
 
     is_sliding = False
 
-    def __init__(self, owner: PagedCache, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, owner: SlotCache, keys: torch.Tensor, values: torch.Tensor):
         super().__init__()
         self.owner, self.keys, self.values = owner, keys, values
         self.is_initialized, self.device = True, keys.device
 
-    def lazy_initialization(self, key_states, value_states) -> None:  # pools exist from the start
+    def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist from the start
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """key_states [n, H, q, D] -> keys/values [n, H, span, D] of the forward's rows."""
-        write, read = self.owner.write_index.reshape(-1), self.owner.read_index  # [n*q], [n, span]
-        n, span = read.shape
-        heads, dim = key_states.shape[1], key_states.shape[3]
-        out = []
-        for pool, states in ((self.keys, key_states), (self.values, value_states)):
-            pool.index_copy_(0, write, states.transpose(1, 2).reshape(-1, heads, dim))
-            out.append(pool.index_select(0, read.reshape(-1)).view(n, span, heads, dim).transpose(1, 2))
-        return out[0], out[1]
+        """key_states [n, H, q, D] -> the n running rows' keys/values over slots [0, span)."""
+        n, span, index = self.owner.rows, self.owner.span, self.owner.write_index  # index [n, q]
+        idx = index[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[3])
+        keys, values = self.keys[:n], self.values[:n]
+        keys.scatter_(2, idx, key_states)
+        values.scatter_(2, idx, value_states)
+        return keys[:, :, :span], values[:, :, :span]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.read_index.shape[1], 0
+        return self.owner.span, 0
 
     def get_seq_length(self) -> int:
-        return self.owner.read_index.shape[1]
+        return self.owner.span
 
     def get_max_length(self) -> int:
-        return -1
+        return self.keys.shape[2]
 
 
-class PagedCache(Cache):
-    """KV entries of many rows in one pool of fixed-size blocks per layer, [tokens, H_kv, D].
+class SlotCache(Cache):
+    """A transformers Cache over per-row slots [capacity, H_kv, slots, D] per layer. Row r's
+    entries are its slots 0..; rows 0..n-1 run. The slot dimension grows (doubling) when a row
+    needs more, so memory follows the longest running row, not the longest request up front;
+    attention reads views of the buffers, never a gathered copy. Before each forward `prepare`
+    sets the write index [n, q] and the span attended."""
 
-    Row r owns the blocks `tables[r]`; its slot j lives at pool token `tables[r][j // B] * B + j % B`
-    (B = `block_size`). Blocks are allocated as rows grow and freed when they leave, so the memory
-    held follows the tokens held; the pool itself grows (doubling) up to `max_tokens` and never
-    moves a row. Before each forward, `prepare` says which rows run and where their q new entries
-    go; attention then reads each row's slots [0, span) gathered from the pool (slots past a
-    row's own length read some block's finite entries and are masked out)."""
-
-    def __init__(self, config, dtype: torch.dtype, device, max_tokens: int, block_size: int = BLOCK):
+    def __init__(self, config, dtype: torch.dtype, device, capacity: int, first_slots: int = 64):
         self.heads = config.num_key_value_heads
         self.dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.block_size, self.dtype, self.device = block_size, dtype, device
-        self.max_blocks = -(-max_tokens // block_size)
-        blocks = min(self.max_blocks, 8)
-        super().__init__(
-            layers=[PagedLayer(self, self._zeros(blocks), self._zeros(blocks)) for _ in range(config.num_hidden_layers)]
-        )
-        self.free_blocks: list[int] = list(range(blocks))
-        self.tables: list[list[int]] = []
+        self.capacity, self.dtype, self.device = capacity, dtype, device
+        layers = [
+            SlotLayer(self, self._zeros(first_slots), self._zeros(first_slots)) for _ in range(config.num_hidden_layers)
+        ]
+        super().__init__(layers=layers)
+        self.rows, self.span = 0, 0
         self.write_index = torch.zeros(0, 0, dtype=torch.long, device=device)
-        self.read_index = torch.zeros(0, 0, dtype=torch.long, device=device)
 
-    def _zeros(self, blocks: int) -> torch.Tensor:
-        return torch.zeros(blocks * self.block_size, self.heads, self.dim, dtype=self.dtype, device=self.device)
+    def _zeros(self, slots: int) -> torch.Tensor:
+        return torch.zeros(self.capacity, self.heads, slots, self.dim, dtype=self.dtype, device=self.device)
 
     @property
-    def blocks(self) -> int:
-        """Blocks the pool holds now (in use or free)."""
-        return self.layers[0].keys.shape[0] // self.block_size
+    def slots(self) -> int:
+        return self.layers[0].keys.shape[2]
 
     @property
     def bytes_per_token(self) -> int:
         return 2 * len(self.layers) * self.heads * self.dim * self.layers[0].keys.element_size()
 
-    def _grow(self, need: int) -> None:
-        """Make room for `need` more free blocks (the pool doubles, up to max_blocks)."""
-        old = self.blocks
-        new = min(self.max_blocks, max(2 * old, old + need - len(self.free_blocks)))
-        assert new - old + len(self.free_blocks) >= need, "KV pool exhausted: admission must reserve first"
+    def ensure(self, slots: int) -> None:
+        """Make every row able to hold `slots` entries (the buffers double, entries are kept)."""
+        if slots <= self.slots:
+            return
+        new = max(slots, 2 * self.slots)
         for layer in self.layers:
-            layer.keys = torch.cat([layer.keys, self._zeros(new - old)])
-            layer.values = torch.cat([layer.values, self._zeros(new - old)])
-        self.free_blocks += range(old, new)
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                grown = self._zeros(new)
+                grown[:, :, : old.shape[2]] = old
+                setattr(layer, name, grown)
 
-    def ensure(self, row: int, slots: int) -> None:
-        """Give `row` blocks for slots [0, slots)."""
-        while len(self.tables) <= row:
-            self.tables.append([])
-        need = -(-slots // self.block_size) - len(self.tables[row])
-        if need > 0:
-            if need > len(self.free_blocks):
-                self._grow(need)
-            self.tables[row] += [self.free_blocks.pop() for _ in range(need)]
+    def prepare(self, rows: int, positions: torch.Tensor) -> None:
+        """Before a forward of q new entries for rows 0..rows-1 at slots positions [rows, q]."""
+        self.span = int(positions[:, -1].max()) + 1
+        self.ensure(self.span)
+        self.rows, self.write_index = rows, positions
 
-    def release(self, row: int) -> None:
-        """Free `row`'s blocks; the row's table becomes empty."""
-        self.free_blocks += self.tables[row]
-        self.tables[row] = []
-
-    def move_table(self, src: int, dst: int) -> None:
-        """Row `dst` takes over row `src`'s blocks (no entry is copied); `src` becomes empty."""
-        self.tables[dst], self.tables[src] = self.tables[src], []
-
-    def slot_index(self, rows: list[int], span: int) -> torch.Tensor:
-        """Pool token index [len(rows), span] of slots 0..span-1 of each row (unowned: block 0)."""
-        width = -(-span // self.block_size)
-        table = torch.tensor([(self.tables[r] + [0] * width)[:width] for r in rows], dtype=torch.long)
-        slots = torch.arange(span)
-        index = table[:, slots // self.block_size] * self.block_size + slots % self.block_size
-        return index.to(self.device)
-
-    def prepare(self, rows: list[int], positions: torch.Tensor) -> None:
-        """Before a forward of q new entries for each of `rows`, at slots positions [n, q]."""
-        ends = (positions[:, -1] + 1).tolist()
-        for row, end in zip(rows, ends):
-            self.ensure(row, end)
-        self.read_index = self.slot_index(rows, max(ends))
-        self.write_index = self.read_index.gather(1, positions)
+    def move_row(self, src: int, dst: int, count_: int) -> None:
+        for layer in self.layers:
+            layer.keys[dst, :, :count_] = layer.keys[src, :, :count_]
+            layer.values[dst, :, :count_] = layer.values[src, :, :count_]
 
     def install(self, row: int, entries: SeqKV) -> None:
-        """Write one sequence's real entries (oldest first) into slots 0.. of `row`."""
-        count_ = count(entries)
-        self.ensure(row, count_)
-        index = self.slot_index([row], count_)[0]
+        """Copy one sequence's real entries (oldest first) into slots 0.. of `row`."""
+        self.ensure(count(entries))
         for layer, (k, v) in zip(self.layers, entries, strict=True):
-            layer.keys.index_copy_(0, index, k[0].transpose(0, 1))
-            layer.values.index_copy_(0, index, v[0].transpose(0, 1))
+            n = k.shape[2]
+            layer.keys[row, :, :n] = k[0]
+            layer.values[row, :, :n] = v[0]
 
     def row(self, row: int, count_: int) -> SeqKV:
-        """Row `row`'s first `count_` entries of every layer, [1, H, count_, D] each (copies)."""
-        index = self.slot_index([row], count_)[0]
+        """Row `row`'s first `count_` entries of every layer, as views."""
         return [
-            (
-                layer.keys.index_select(0, index).transpose(0, 1)[None],
-                layer.values.index_select(0, index).transpose(0, 1)[None],
-            )
-            for layer in self.layers
+            (layer.keys[row : row + 1, :, :count_], layer.values[row : row + 1, :, :count_]) for layer in self.layers
         ]

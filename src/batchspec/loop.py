@@ -64,7 +64,7 @@ class Loop:
     def _drop_cancelled(self) -> list[Sequence]:
         """Finish cancelled sequences ("abort"): waiting ones leave the queue, a prefilling one
         gives back its reservation, running ones leave the batch now, freeing their rows and KV
-        blocks before the next step."""
+        slots before the next step."""
         dropped = [s for s in self.sequences() if s.cancelled]
         if not dropped:
             return []

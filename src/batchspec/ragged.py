@@ -1,23 +1,25 @@
 """`ragged`: a realignment-free batch. Every row has its own cache offset; nothing is ever shifted.
 
 Row b's real entries are its slots 0 .. count_b - 1, kept for each role (target, draft) in a
-`kv.PagedCache`: one pool of fixed-size blocks per layer, allocated as the row grows. A forward of
-q new tokens per row writes them at slots o_b .. o_b + q - 1 with positions o_b + i and a 4-D mask
-in which query i of row b sees slots j <= o_b + i. Rejected drafts are rolled back by not counting
-them: their slots are overwritten next step. No unpad, no repad, no entry ever copied.
+`kv.SlotCache` [capacity, H_kv, S, D] per layer. A forward of q new tokens per row writes them at
+slots o_b .. o_b + q - 1 (one scatter per layer) with positions o_b + i and a 4-D mask in which
+query i of row b sees slots j <= o_b + i. Rejected drafts are rolled back by not counting them:
+their slots are overwritten next step. No unpad, no repad; attention reads views of the buffers.
 
-Rows 0 .. n-1 run; a row that finishes frees its blocks and the last row takes its place (its
-block table moves, not its entries). Waiting sequences are admitted into free rows while others
-decode: prefilled in bounded chunks between steps (admission.py; a long prompt neither pads short
-ones nor stalls the running rows), then copied in once.
+Rows 0 .. n-1 run; a row that finishes is replaced by the last row (one row copy). Waiting
+sequences are admitted into free rows while others decode: prefilled in bounded chunks between
+steps (admission.py; a long prompt neither pads short ones nor stalls the running rows), then
+copied in once.
 
-Memory: `kv_budget_tokens` bounds the tokens the pool may hold across all rows. A sequence is
-admitted only when its worst case (prompt + max_new_tokens + k + 1 draft slots) fits beside the
-reservations of the running rows, so a running row never waits for memory; the pool itself grows
-with the tokens actually held. EXSPEC's pool comes for free.
+Memory: `kv_budget_tokens` bounds the tokens reserved across all rows. A sequence is admitted
+only when its worst case (prompt + max_new_tokens + k + 1 draft slots) fits beside the
+reservations of the running rows, so a running row never waits for memory. The slot dimension S
+grows with the longest running row (capacity x S tokens allocated), not with the longest request
+up front. A paged pool (memory = tokens held) was built and measured: on CPU its per-forward
+gather of every row's pages made `ragged` 2.4x slower at B = 8 (docs/benchmarks.md), so the
+contiguous slots stay.
 
-The price: attention gathers every row's slots up to the longest running row (masked), one
-index_select per layer and forward.
+The price: attention runs over slots up to the longest running row for every row (masked).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def need(seq: Sequence, k: int) -> int:
 
 
 class RaggedBatch:
-    """Running sequences in rows 0..n-1, their entries in one `kv.PagedCache` per role;
+    """Running sequences in rows 0..n-1, their entries in one `kv.SlotCache` per role;
     `counts[role][b]` entries of row b are real. Between `pending` and `realign`, `heads[role][b]`
     is the next write slot. `reserved` is the budget promised to the running rows and to the
     `incoming` sequences being prefilled for it."""
@@ -47,13 +49,12 @@ class RaggedBatch:
         self.seqs: list[Sequence] = []
         self.capacity, self.budget, self.k, self.pad_id, self.device = capacity, budget, k, pad_id, device
         self.caches = {
-            role: kv.PagedCache(m.config, next(m.parameters()).dtype, device, budget + capacity * kv.BLOCK)
-            for role, m in models.items()
+            role: kv.SlotCache(m.config, next(m.parameters()).dtype, device, capacity) for role, m in models.items()
         }
         self.counts = {role: torch.zeros(capacity, dtype=torch.long, device=device) for role in models}
         self.heads = {role: torch.zeros(capacity, dtype=torch.long, device=device) for role in models}
         self.reserved = self.incoming = 0
-        self.peak_tokens = 0  # most pool tokens (all roles' pools alike) allocated at once
+        self.peak_tokens = 0  # most slots allocated at once (capacity x S, the same for every role)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -95,9 +96,9 @@ class RaggedBatch:
         n, cache = len(self.seqs), self.caches[role]
         start = self.heads[role][:n]
         positions = start[:, None] + torch.arange(q, device=self.device)[None, :]  # [n, q]
-        cache.prepare(list(range(n)), positions)
-        span = cache.read_index.shape[1]
-        self.peak_tokens = max(self.peak_tokens, cache.blocks * cache.block_size)
+        cache.prepare(n, positions)
+        span = cache.span
+        self.peak_tokens = max(self.peak_tokens, self.capacity * cache.slots)
         mask = torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None]  # [n, q, span]
         self.heads[role][:n] = start + q
         return {"attention_mask": mask[:, None], "position_ids": positions, "cache": cache}
@@ -111,16 +112,15 @@ class RaggedBatch:
         return self.retire()
 
     def retire(self) -> list[Sequence]:
-        """Remove finished rows: free their blocks and budget, and move the last row's block table
-        into the hole (no entry is copied). Returns the removed sequences."""
+        """Remove finished rows: free their budget, and move the last row into the hole (one row
+        copy). Returns the removed sequences."""
         finished = [s for s in self.seqs if s.finished]
         for row in sorted((i for i, s in enumerate(self.seqs) if s.finished), reverse=True):
             last = len(self.seqs) - 1
             self.reserved -= need(self.seqs[row], self.k)
-            for role, cache in self.caches.items():
-                cache.release(row)
-                if row != last:
-                    cache.move_table(last, row)
+            if row != last:
+                for role, cache in self.caches.items():
+                    cache.move_row(last, row, int(self.counts[role][last]))
                     self.counts[role][row] = self.counts[role][last]
             self.seqs[row] = self.seqs[last]
             self.seqs.pop()
@@ -155,15 +155,13 @@ class RaggedBatch:
         assert len(self.seqs) <= self.capacity, "more rows than the batch holds"
         assert self.reserved <= self.budget, "more KV reserved than the budget"
         for role, cache in self.caches.items():
-            owned = sum(len(cache.tables[r]) for r in range(len(self.seqs)))
-            assert owned + len(cache.free_blocks) == cache.blocks, f"{role}: a block leaked or is owned twice"
-            assert all(not cache.tables[r] for r in range(len(self.seqs), len(cache.tables))), (
-                f"{role}: a free row owns blocks"
+            assert max(self.counts[role][: len(self.seqs)].tolist(), default=0) <= cache.slots, (
+                f"{role}: entries past the slots"
             )
 
 
 def kv_budget(seqs: list[Sequence], k: int, budget: int | None, rows: int) -> int:
-    """Tokens the KV pool may hold across all rows: the stated budget, or enough for the `rows`
+    """Tokens the KV cache may reserve across all rows: the stated budget, or enough for the `rows`
     largest requests at once. A request that cannot fit even alone is refused up front."""
     needs = sorted((need(s, k) for s in seqs), reverse=True)
     if budget is None:
