@@ -75,7 +75,7 @@ def _decode_options(p: argparse.ArgumentParser, one_method: bool) -> None:
     g.add_argument(
         "--prefill-chunk",
         type=int,
-        help="ragged: prompt tokens prefilled per step while rows decode (default: from measured costs)",
+        help="ragged: prompt tokens prefilled per step while rows decode (default: all that fits, offline)",
     )
     g.add_argument(
         "--kv-budget",

@@ -75,7 +75,8 @@ class EngineConfig:
     window_size: int | None = None
     min_group: int | None = None
     kv_budget_tokens: int | None = None
-    prefill_chunk: int | None = None  # ragged: prompt tokens prefilled per step; None: from measured costs
+    prefill_chunk: int | None = None  # ragged: prompt tokens prefilled per step; None: unbounded offline,
+    # from measured costs in the server
     check_invariants: bool = False
     progress: bool = False
 
