@@ -110,21 +110,22 @@ def test_every_method_with_the_draft_equals_reference(pair):
         assert [o.token_ids for o in outs] == ref, method
 
 
-def test_reduced_head_sampling_distribution_covers_the_full_vocabulary(pair):
+def test_reduced_head_samples_its_full_vocabulary_distribution(pair):
+    """The 8192-id head picks with the full-vocabulary noise exactly as its distribution over the
+    full vocabulary (zero outside its ids) would, and reports its own probability of the pick."""
     from batchspec.proposer import DraftProposer
+    from batchspec.sampling import RowParams, choose, gumbel, probabilities
 
     proposer = DraftProposer(pair.draft, pair.vocab_size, pair.draft.vocab_ids)
-    logits = torch.randn(3, len(pair.draft.vocab_ids))
-    tokens, probs = proposer._pick(
-        logits, SamplingParams(temperature=0.8, top_p=0.95), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
-    )
-    assert probs.shape == (3, pair.vocab_size)
-    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
-    outside = torch.ones(pair.vocab_size, dtype=torch.bool)
-    outside[pair.draft.vocab_ids] = False
-    assert (probs[:, outside] == 0).all()
-    assert all(probs[b, t] > 0 for b, t in enumerate(tokens.tolist()))  # full-vocabulary ids
+    logits = torch.randn(3, len(pair.draft.vocab_ids), generator=torch.Generator().manual_seed(0))
+    params = RowParams.of([SamplingParams(temperature=0.8, top_p=0.95)] * 3)
+    noise = torch.stack([gumbel(seed, 10, pair.vocab_size) for seed in range(3)])
+    tokens, confidence = proposer._pick(logits, params, noise)
+    full = torch.zeros(3, pair.vocab_size)
+    full[:, pair.draft.vocab_ids] = probabilities(logits, params)
+    assert tokens.tolist() == choose(full, noise).tolist()
     assert set(tokens.tolist()) <= set(pair.draft.vocab_ids.tolist())
+    torch.testing.assert_close(confidence, full.gather(1, tokens[:, None])[:, 0])
 
 
 def test_default_pair_proposes_with_ngram_lookup_and_keeps_the_draft(pair):

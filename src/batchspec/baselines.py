@@ -103,9 +103,9 @@ class DSDBatch(PaddedBatch):
         assert bool(padding_mask(self.pad_left, self.width).sum(1).eq(lengths).all()), "mask does not cover the rows"
 
 
-def dsd_accept(drafts, target_logits, draft_probs, target_probs, u_accept, u_final, limit) -> Outcome:
+def dsd_accept(drafts, choice, limit) -> Outcome:
     """The standard rule, then the bug: at the first mismatch keep the draft token."""
-    outcome = accept(drafts, target_logits, draft_probs, target_probs, u_accept, u_final, limit)
+    outcome = accept(drafts, choice, limit)
     k = drafts.shape[1]
     rows = torch.arange(drafts.shape[0], device=drafts.device)
     rejected = outcome.num_accepted < k

@@ -61,47 +61,73 @@ class PeakMemory:
         return out
 
 
-def combos(names: list[str], batch_sizes: list[int]) -> list[tuple[str, int]]:
+def combos(names: list[str], batch_sizes: list[int], ks: list = (4,)) -> list[tuple[str, int, int | str | None]]:
+    """(method, batch size, k): one-at-a-time methods at batch 1 only, k only for speculative ones."""
     out = []
     for m in names:
-        out += [(m, b) for b in batch_sizes] if methods.get(m).batched else [(m, 1)]
+        spec = methods.get(m)
+        for b in batch_sizes if spec.batched else [1]:
+            out += [(m, b, k) for k in ks] if spec.speculative else [(m, b, None)]
     return out
 
 
-def run_one(pair, prompts, method, batch, params, k, proposer, options) -> dict:
-    dec = SpecDecoder(pair, EngineConfig(method=method, batch_size=batch, k=k, proposer=proposer, **options))
+def run_one(pair, prompts, method, batch, k, params, proposer, options, decoders=None) -> dict:
+    """One run; `decoders` keeps each configuration's decoder across repeats (what `auto` learned
+    in the warm-up carries over, as in a long-running engine)."""
+    config = EngineConfig(
+        method=method, batch_size=batch, proposer=proposer, **options, **({} if k is None else {"k": k})
+    )
+    key = (method, batch, k)
+    dec = decoders.get(key) if decoders is not None else None
+    if dec is None:
+        dec = SpecDecoder(pair, config)
+        if decoders is not None:
+            decoders[key] = dec
     with PeakMemory(pair.device) as mem:
         dec.generate(prompts, params)
     return dec.stats.summary() | mem.summary() | {"proposer": dec.proposer_name}
 
 
 def bench(
-    pair, prompts, names, batch_sizes, params: SamplingParams, k=4, proposer=None, repeats=1, progress=True, **options
+    pair,
+    prompts,
+    names,
+    batch_sizes,
+    params: SamplingParams,
+    k=("auto",),
+    proposer=None,
+    repeats=1,
+    progress=True,
+    **options,
 ) -> dict:
-    """Run everything; returns the JSON-ready report. `options`: further EngineConfig fields
-    (window_size, min_group, kv_budget_tokens, ...) for every run."""
-    runs = combos(names, batch_sizes)
-    for method, batch in tqdm(runs, desc="warm-up", disable=not progress, leave=False):
-        run_one(pair, prompts[:2], method, batch, SamplingParams(max_new_tokens=8), k, proposer, options)
+    """Run everything; returns the JSON-ready report. `k`: a value or a list of them, each run
+    with every speculative method. `options`: further EngineConfig fields (window_size,
+    min_group, kv_budget_tokens, ...) for every run."""
+    ks = list(k) if isinstance(k, (list, tuple)) else [k]
+    runs = combos(names, batch_sizes, ks)
+    decoders: dict = {}
+    for method, batch, kk in tqdm(runs, desc="warm-up", disable=not progress, leave=False):
+        run_one(pair, prompts[:2], method, batch, kk, SamplingParams(max_new_tokens=8), proposer, options, decoders)
     samples: dict = {c: [] for c in runs}
     total = len(runs) * repeats
     with tqdm(total=total, desc="bench", disable=not progress, leave=False) as bar:
         for _ in range(repeats):
             for c in runs:
-                bar.set_postfix_str(f"{c[0]} b={c[1]}")
-                samples[c].append(run_one(pair, prompts, *c, params, k, proposer, options))
+                bar.set_postfix_str(f"{c[0]} b={c[1]} k={c[2]}")
+                samples[c].append(run_one(pair, prompts, *c, params, proposer, options, decoders))
                 bar.update(1)
     has_draft = samples[runs[0]][0]["proposer"] == "draft" and pair.draft is not None
     context = int(statistics.mean(len(p) for p in _encoded(pair, prompts)) + params.max_new_tokens / 2)
-    costs = cost_table(pair.target, pair.draft if has_draft else None, sorted({b for _, b in runs}), k, context)
-    report_runs = [_summarise(m, b, samples[(m, b)], costs, k, has_draft) for m, b in runs]
+    widths = max((EngineConfig(method=m, k=kk).k_max for m, _, kk in runs if kk is not None), default=0)
+    costs = cost_table(pair.target, pair.draft if has_draft else None, sorted({b for _, b, _ in runs}), widths, context)
+    report_runs = [_summarise(m, b, kk, samples[(m, b, kk)], costs, has_draft) for m, b, kk in runs]
     _ratios(report_runs)
     return {
         "runs": report_runs,
         "costs": _json_costs(costs),
         "machine": machine(pair),
         "models": pair.describe(),
-        "k": k,
+        "k": ks,
         "max_new_tokens": params.max_new_tokens,
         "n_prompts": len(prompts),
         "repeats": repeats,
@@ -113,11 +139,12 @@ def _encoded(pair, prompts):
     return [pair.encode(p) for p in prompts]
 
 
-def _summarise(method, batch, samples, costs, k, has_draft) -> dict:
+def _summarise(method, batch, k, samples, costs, has_draft) -> dict:
     """Median over repeats of throughput; the rest from the median run."""
     ordered = sorted(samples, key=lambda s: s["tokens_per_s"])
     mid = ordered[len(ordered) // 2]
-    sol = speed_of_light(costs, method, batch, k, mid["mean_tokens_per_step"], has_draft)
+    chosen = {int(n): c for n, c in mid["chosen_k_histogram"].items()}
+    sol = speed_of_light(costs, method, batch, chosen, mid["mean_tokens_per_step"], has_draft)
     keys = (
         "tokens_per_s",
         "decode_tokens_per_s",
@@ -128,6 +155,7 @@ def _summarise(method, batch, samples, costs, k, has_draft) -> dict:
         "mean_accepted",
         "mean_batch_occupancy",
         "accepted_histogram",
+        "chosen_k_histogram",
         "time_share",
         "peak_rss_mb",
         "peak_cuda_mb",
@@ -135,7 +163,7 @@ def _summarise(method, batch, samples, costs, k, has_draft) -> dict:
         "proposer",
     )
     return (
-        {"method": method, "batch_size": batch}
+        {"method": method, "batch_size": batch, "k": k}
         | {key: mid[key] for key in keys if key in mid}
         | {
             "tokens_per_s_repeats": [s["tokens_per_s"] for s in samples],
@@ -147,10 +175,11 @@ def _summarise(method, batch, samples, costs, k, has_draft) -> dict:
 
 def _ratios(runs: list[dict]) -> None:
     ar = {r["batch_size"]: r["tokens_per_s"] for r in runs if r["method"] == methods.PLAIN_BASELINE}
-    spec1 = next((r["tokens_per_s"] for r in runs if r["method"] == methods.SPEC_BASELINE), None)
+    spec1 = {r["k"]: r["tokens_per_s"] for r in runs if r["method"] == methods.SPEC_BASELINE}
     for r in runs:
         r["vs_ar"] = r["tokens_per_s"] / ar[r["batch_size"]] if r["batch_size"] in ar else None
-        r["vs_spec1"] = r["tokens_per_s"] / spec1 if spec1 else None
+        base = spec1.get(r["k"]) or next(iter(spec1.values()), None)  # spec1 at the same k, if run
+        r["vs_spec1"] = r["tokens_per_s"] / base if base else None
 
 
 def _json_costs(costs: dict) -> dict:
@@ -177,7 +206,8 @@ def machine(pair) -> dict:
 
 def table(report: dict) -> str:
     head = (
-        f"{'method':<9}{'B':>4}{'tok/s':>9}{'decode':>9}{'tok/step':>9}{'vs ar':>7}{'vs spec1':>9}{'SoL':>8}{'eff':>6}"
+        f"{'method':<9}{'B':>4}{'k':>5}{'tok/s':>9}{'decode':>9}{'tok/step':>9}{'vs ar':>7}{'vs spec1':>9}"
+        f"{'SoL':>8}{'eff':>6}"
         f"{'draft':>7}{'verify':>7}{'realign':>8}{'sched':>7}{'prefill':>8}{'other':>7}"
     )
     lines = [head, "-" * len(head)]
@@ -185,7 +215,8 @@ def table(report: dict) -> str:
     for r in report["runs"]:
         sh = r["time_share"]
         lines.append(
-            f"{r['method']:<9}{r['batch_size']:>4}{r['tokens_per_s']:>9.1f}{r['decode_tokens_per_s']:>9.1f}"
+            f"{r['method']:<9}{r['batch_size']:>4}{'-' if r['k'] is None else r['k']:>5}"
+            f"{r['tokens_per_s']:>9.1f}{r['decode_tokens_per_s']:>9.1f}"
             f"{r['mean_tokens_per_step']:>9.2f}{fmt(r['vs_ar'], '>7.2f')}{fmt(r['vs_spec1'], '>9.2f')}"
             f"{r['speed_of_light_tokens_per_s']:>8.1f}{r['efficiency']:>6.2f}"
             + "".join(
@@ -205,12 +236,13 @@ def plot(report: dict, path: str) -> None:
 
     runs = report["runs"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for method in dict.fromkeys(r["method"] for r in runs):
-        rs = [r for r in runs if r["method"] == method]
+    for method, k in dict.fromkeys((r["method"], r["k"]) for r in runs):
+        rs = [r for r in runs if (r["method"], r["k"]) == (method, k)]
+        name = method if k is None else f"{method} k={k}"
         if not methods.get(method).batched:
-            left.axhline(rs[0]["tokens_per_s"], linestyle="--", color="gray", label=f"{method} (one at a time)")
+            left.axhline(rs[0]["tokens_per_s"], linestyle="--", color="gray", label=f"{name} (one at a time)")
         else:
-            left.plot([r["batch_size"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=method)
+            left.plot([r["batch_size"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=name)
     left.set_xscale("log", base=2)
     left.set_xticks(sorted({r["batch_size"] for r in runs}))
     left.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
@@ -218,7 +250,7 @@ def plot(report: dict, path: str) -> None:
     left.set(xlabel="batch size", ylabel="tokens/s (prefill included)", title="Throughput", ylim=(0, None))
     left.legend(fontsize=8, loc="best")
     stages = ("prefill", "draft", "verify", "accept", "realign", "schedule", "other")
-    labels = [f"{r['method']}\nB={r['batch_size']}" for r in runs]
+    labels = [f"{r['method']}\nB={r['batch_size']}" + ("" if r["k"] is None else f" k={r['k']}") for r in runs]
     bottom = [0.0] * len(runs)
     for stage in stages:
         vals = [r["time_share"].get(stage, 0.0) for r in runs]
@@ -228,7 +260,7 @@ def plot(report: dict, path: str) -> None:
     right.set(ylabel="share of wall time", title="Where the time goes")
     right.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle(
-        f"{report['models']['pair']} ({report['models']['dtype']}), k={report['k']}, "
+        f"{report['models']['pair']} ({report['models']['dtype']}), k={','.join(map(str, report['k']))}, "
         f"{report['n_prompts']} prompts x {report['max_new_tokens']} new tokens"
     )
     fig.tight_layout()

@@ -20,7 +20,12 @@ from .engine import SpecDecoder
 from .errors import BatchspecError
 from .models import DTYPES, PAIRS, load_pair
 from .prompts import Prompt, read_prompts
+from .speculation import AUTO_K_MAX
 
+K_HELP = (
+    "draft tokens per row and step: N, or auto (default: chosen every step from measured costs, "
+    f"0..{AUTO_K_MAX} per row)"
+)
 DEFAULT_PROMPTS = ["Why is the sky blue?", "Write a haiku about the sea.", "What is speculative decoding?"]
 
 
@@ -61,7 +66,10 @@ def _decode_options(p: argparse.ArgumentParser, one_method: bool) -> None:
             help=f"(default: {methods.DEFAULT_METHOD})",
         )
         g.add_argument("--batch-size", type=int, default=8)
-    g.add_argument("-k", type=int, default=4, help="draft tokens per step (default 4)")
+    if one_method:
+        g.add_argument("-k", type=k_value, default="auto", help=K_HELP)
+    else:
+        g.add_argument("-k", default="auto", help=K_HELP + "; a comma-separated list runs each value (bench)")
     g.add_argument("--proposer", choices=list(PROPOSERS), help="draft model or n-gram lookup (default: the pair's)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -117,7 +125,7 @@ def _serve_parser(sub) -> None:
     g = p.add_argument_group("decoding")
     served = [m.name for m in methods.METHODS.values() if m.serves]
     g.add_argument("--method", choices=served, default=served[0], help=f"a method the online engine runs ({served[0]})")
-    g.add_argument("-k", type=int, default=4, help="draft tokens per step (default 4)")
+    g.add_argument("-k", type=k_value, default="auto", help=K_HELP)
     g.add_argument("--no-spec", action="store_true", help="plain decoding (k = 0) in the same engine")
     g.add_argument("--proposer", choices=list(PROPOSERS), help="draft model or n-gram lookup (default: the pair's)")
     g.add_argument("--batch-size", type=int, default=8, help="rows decoded together (default 8)")
@@ -172,9 +180,11 @@ def comparison_inputs(args):
     params = sampling_params(args)
     names = parse_list(args.methods, str, "--methods")
     batch_sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
+    ks = k_values(args.k)
     for method in names:
         for batch in batch_sizes:
-            engine_config(args, method, batch, progress=False)
+            for k in ks:
+                EngineConfig(method=method, batch_size=batch, **(engine_options(args) | {"k": k}))
     prompts = [p.text for p in load_prompts(args)]
     return params, names, batch_sizes, prompts, load_models(args)
 
@@ -252,6 +262,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    if len(k_values(args.k)) > 1:
+        raise BatchspecError("verify takes one -k value (bench takes a list)")
     params, names, batch_sizes, prompts, pair = comparison_inputs(args)
     report = equivalence.verify(
         pair,
@@ -261,7 +273,7 @@ def cmd_verify(args) -> int:
         params,
         chat_template=not args.no_chat_template,
         progress=not args.quiet,
-        **engine_options(args),
+        **(engine_options(args) | {"k": k_values(args.k)[0]}),
     )
     print(equivalence.table(report))
     for line in equivalence.divergence_lines(report):
@@ -277,8 +289,9 @@ def cmd_bench(args) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise BatchspecError("--plot needs matplotlib: pip install 'batchspec[plot]'")
     params, names, batch_sizes, prompts, pair = comparison_inputs(args)
+    options = engine_options(args) | {"k": k_values(args.k)}
     report = bench.bench(
-        pair, prompts, names, batch_sizes, params, repeats=args.repeats, progress=not args.quiet, **engine_options(args)
+        pair, prompts, names, batch_sizes, params, repeats=args.repeats, progress=not args.quiet, **options
     )
     report["command"] = "batchspec " + " ".join(sys.argv[1:])
     print(bench.table(report))
@@ -289,12 +302,30 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def k_value(text: str) -> int | str:
+    """-k: "auto" or an integer (range checks are EngineConfig's)."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
+def k_values(text: str) -> list:
+    """-k for comparisons: 'auto', '4' or '4,auto'."""
+    try:
+        return parse_list(str(text), k_value, "-k")
+    except argparse.ArgumentTypeError as err:
+        raise BatchspecError(f"-k: {err}") from None
+
+
 def parse_list(text: str, kind, flag: str) -> list:
     """'a,b,c' -> [kind(a), ...], with a clear error on a bad item."""
     items = [t.strip() for t in text.split(",") if t.strip()]
     try:
         values = [kind(t) for t in items]
-    except ValueError:
+    except (ValueError, argparse.ArgumentTypeError):
         raise BatchspecError(f"{flag}: expected a comma-separated list of {kind.__name__}, got {text!r}") from None
     if not values:
         raise BatchspecError(f"{flag}: empty list")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from . import methods
 from .errors import BatchspecError
+from .speculation import AUTO_K_MAX
 
 PROPOSERS = ("draft", "ngram")
 
@@ -62,14 +63,16 @@ class SamplingParams:
 class EngineConfig:
     """How to decode: the method and its knobs.
 
-    k: draft tokens per step (speculative methods). batch_size: rows per forward pass.
+    k: draft tokens per step (speculative methods): an integer >= 1, or "auto" (the default: each
+    step chooses 0 .. AUTO_K_MAX per row from measured costs, speculation.py). batch_size: rows per
+    forward pass.
     window_size: EXSPEC's active pool (default 4 x batch_size). min_group: smallest same-length
     group EXSPEC runs without padding (default batch_size). kv_budget_tokens: KV tokens the
     ragged layout's rows may reserve together (default: its batch_size largest requests).
     """
 
     method: str = methods.DEFAULT_METHOD
-    k: int = 4
+    k: int | str = "auto"
     batch_size: int = 8
     proposer: str | None = None  # "draft" | "ngram"; None: the pair's default
     window_size: int | None = None
@@ -82,8 +85,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         methods.get(self.method)  # raises for an unknown name
-        if not _is_int(self.k) or self.k < 1:
-            raise BatchspecError(f"k (draft tokens per step) must be an integer >= 1, got {self.k!r}")
+        if self.k != "auto" and (not _is_int(self.k) or self.k < 1):
+            raise BatchspecError(f"k (draft tokens per step) must be an integer >= 1 or 'auto', got {self.k!r}")
         if not _is_int(self.batch_size) or self.batch_size < 1:
             raise BatchspecError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         if self.proposer is not None and self.proposer not in PROPOSERS:
@@ -102,6 +105,13 @@ class EngineConfig:
     @property
     def group_min(self) -> int:
         return min(self.min_group if self.min_group is not None else self.batch_size, self.batch_size)
+
+    @property
+    def k_max(self) -> int:
+        """The most drafts a row verifies in one step (0 for a non-speculative method)."""
+        if not self.speculative:
+            return 0
+        return AUTO_K_MAX if self.k == "auto" else self.k
 
     @property
     def speculative(self) -> bool:

@@ -17,8 +17,9 @@ from .detok import StopStrings
 from .errors import BatchspecError
 from .models import ModelPair, load_pair
 from .proposer import DraftProposer, NgramProposer
-from .sampling import make_generator
+from .sampling import request_seed
 from .sequence import GenerationOutput, Sequence
+from .speculation import Adaptive, Fixed
 from .stats import Stats
 from .step import Context
 
@@ -38,6 +39,7 @@ class SpecDecoder:
             raise BatchspecError("give either an EngineConfig or keyword options, not both")
         self.proposer = self._make_proposer()
         self.stats = Stats(device=str(pair.device))
+        self.speculation = None  # built on first use: `auto` probes the machine's costs
 
     @classmethod
     def from_pretrained(cls, pair=None, target=None, draft=None, dtype="float32", device=None, **config_kw):
@@ -89,7 +91,7 @@ class SpecDecoder:
                     prompt_ids=ids,
                     max_len=min(len(ids) + p.max_new_tokens, context),
                     eos_ids=frozenset() if p.ignore_eos else self.pair.eos_ids,
-                    generator=None if p.greedy else make_generator(p.seed),
+                    seed=None if p.greedy else request_seed(p.seed),
                     params=p,
                 )
             )
@@ -117,7 +119,8 @@ class SpecDecoder:
         ctx = Context(
             target=self.pair.target,
             proposer=self.proposer,
-            k=cfg.k if cfg.speculative else 0,
+            k=cfg.k_max,
+            speculation=self._speculation(),
             pad_id=self.pair.pad_id,
             device=self.pair.device,
             stats=self.stats,
@@ -136,6 +139,12 @@ class SpecDecoder:
         assert not unfinished, f"method {cfg.method} left sequences unfinished: {unfinished}"
         return self.stats
 
+    def _speculation(self):
+        """The speculation policy, kept across runs (what `auto` learned carries over)."""
+        if self.speculation is None:
+            self.speculation = make_speculation(self.config, self.pair.target, self.proposer)
+        return self.speculation
+
     def _output(self, seq: Sequence, prompt, text: str | None) -> GenerationOutput:
         return GenerationOutput(
             index=seq.index,
@@ -146,3 +155,10 @@ class SpecDecoder:
             finish_reason=seq.finish_reason,
             accepted_per_step=list(seq.accepted_per_step),
         )
+
+
+def make_speculation(config: EngineConfig, target, proposer):
+    """`Fixed(k)`, or `Adaptive` for k = "auto" (probes the costs of a batch of `batch_size` rows)."""
+    if config.k == "auto" and proposer is not None:
+        return Adaptive(target, proposer, config.batch_size, config.k_max)
+    return Fixed(config.k_max)

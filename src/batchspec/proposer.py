@@ -1,5 +1,6 @@
-"""Proposers: where draft tokens come from. They return draft ids (and, when sampling, the
-distribution each was drawn from); acceptance lives in `acceptance.py`.
+"""Proposers: where draft tokens come from. They return draft ids, and for each a confidence bin
+that adaptive speculation (speculation.py) learns acceptance rates by; acceptance lives in
+`acceptance.py`.
 
 - `DraftProposer`: a small causal LM with its own KV cache (role "draft" of the batch layout),
   optionally with a reduced-vocabulary head (`vocab_ids` maps head index -> full-vocabulary id).
@@ -11,12 +12,13 @@ row behaves exactly as if it had been asked for that many, whatever the rest of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from .sampling import RowParams, probabilities, sample
+from .sampling import RowParams, choose, probabilities
 from .verifier import forward
 
 if TYPE_CHECKING:
@@ -26,59 +28,75 @@ if TYPE_CHECKING:
 @dataclass
 class Proposal:
     drafts: torch.Tensor  # [B, k] full-vocabulary ids
-    draft_probs: torch.Tensor | None  # [B, k, V] when sampling, else None
     num_proposed: torch.Tensor | None = None  # [B]; None means k for every row
+    signal: torch.Tensor | None = None  # [B, k] long: each draft's confidence bin (0 .. proposer.bins - 1)
+
+
+#: Called by a proposer that drafts step by step, after draft i (0-based) with the bins so far
+#: [B, i + 1]; returning True ends drafting for the whole batch (adaptive speculation).
+StopRule = Callable[[int, torch.Tensor], bool]
 
 
 @runtime_checkable
 class Proposer(Protocol):
     """What the step needs of a proposer. `role` names the cache it keeps in the batch layout
-    (None: no model, no cache); `model` is that cache's model (None without one)."""
+    (None: no model, no cache); `model` is that cache's model (None without one). `bins`: how many
+    confidence bins its `Proposal.signal` uses (what adaptive speculation learns acceptance by)."""
 
     role: str | None
     model: torch.nn.Module | None
+    bins: int
 
-    def propose(self, batch: Layout, k: int, params: RowParams, uniforms: torch.Tensor | None) -> Proposal:
-        """Up to k drafts per row of `batch` (a step.Layout); uniforms [B, k] when sampling."""
+    def propose(
+        self, batch: Layout, k: int, params: RowParams, noise: torch.Tensor | None, stop: StopRule | None = None
+    ) -> Proposal:
+        """Up to k drafts per row of `batch` (a step.Layout). noise [B, k, V]: the Gumbel noise of
+        the drafts' positions when sampling (sampling.py), else None."""
         ...
 
 
 class DraftProposer:
-    """Draft model proposer. Keeps its KV cache in the batch under role "draft"."""
+    """Draft model proposer. Keeps its KV cache in the batch under role "draft". A draft's bin is
+    its own probability under the draft model, in tenths (the draft's confidence)."""
 
     role = "draft"
+    bins = 10
 
     def __init__(self, model, vocab_size: int, vocab_ids: torch.Tensor | None = None):
         self.model = model
-        self.vocab_size = vocab_size  # the target's vocabulary (size of draft_probs' last dim)
+        self.vocab_size = vocab_size  # the target's vocabulary (size of noise's last dim)
         self.vocab_ids = vocab_ids  # [V_head] head index -> full id, or None for a full head
 
-    def propose(self, batch: Layout, k: int, params: RowParams, uniforms: torch.Tensor | None) -> Proposal:
-        """k tokens per row with k forwards: the pending tokens first, then each new draft but the
-        last (whose KV is never needed unless all k are accepted; see realign.py's lag)."""
+    def propose(
+        self, batch: Layout, k: int, params: RowParams, noise: torch.Tensor | None, stop: StopRule | None = None
+    ) -> Proposal:
+        """Up to k tokens per row with as many forwards: the pending tokens first, then each new
+        draft but the last (whose KV is never needed unless all are accepted; see realign.py's
+        lag). `stop` may end drafting early for the whole batch."""
         ids = batch.pending(self.role)
-        drafts, probs = [], []
+        drafts, bins = [], []
         for i in range(k):
             logits = forward(self.model, ids, batch.inputs(self.role, ids.shape[1]), last_only=True)[:, -1]
-            token, p = self._pick(logits, params, None if uniforms is None else uniforms[:, i])
+            token, confidence = self._pick(logits, params, None if noise is None else noise[:, i])
             drafts.append(token)
-            probs.append(p)
+            bins.append((confidence * self.bins).long().clamp(max=self.bins - 1))
+            if stop is not None and i < k - 1 and stop(i, torch.stack(bins, dim=1)):
+                break
             ids = token[:, None]
-        draft_probs = None if params.greedy else torch.stack(probs, dim=1)
-        return Proposal(torch.stack(drafts, dim=1), draft_probs)
+        return Proposal(torch.stack(drafts, dim=1), signal=torch.stack(bins, dim=1))
 
-    def _pick(self, logits: torch.Tensor, params: RowParams, u: torch.Tensor | None):
-        """logits [B, V_head] -> (full ids [B], full-vocabulary probs [B, V] or None)."""
-        if params.greedy:
+    def _pick(self, logits: torch.Tensor, params: RowParams, noise: torch.Tensor | None):
+        """logits [B, V_head] -> (full ids [B], the draft's probability of each [B]: under its
+        sampling distribution for a sampled row, its plain softmax for a greedy one)."""
+        soft = torch.softmax(logits.float(), dim=-1)
+        if noise is None:
             idx = logits.argmax(dim=-1)
-            return self._to_full(idx), None
-        head_probs = probabilities(logits, params)
-        idx = sample(head_probs, u).to(logits.device)
-        if self.vocab_ids is None:
-            return idx, head_probs
-        full = head_probs.new_zeros(head_probs.shape[0], self.vocab_size)
-        full[:, self.vocab_ids] = head_probs
-        return self._to_full(idx), full
+        else:
+            probs = probabilities(logits, params)
+            head_noise = noise if self.vocab_ids is None else noise[:, self.vocab_ids.to(noise.device)]
+            idx = choose(probs, head_noise)
+            soft = torch.where(params.temperature.to(soft.device)[:, None] == 0, soft, probs)
+        return self._to_full(idx), soft.gather(-1, idx[:, None]).squeeze(-1)
 
     def _to_full(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.vocab_ids is None else self.vocab_ids[idx]
@@ -86,7 +104,8 @@ class DraftProposer:
 
 class NgramProposer:
     """Prompt lookup: find the most recent earlier occurrence of the row's last n tokens (n from
-    `max_n` down to `min_n`) and propose the tokens that followed it. No model, no cache."""
+    `max_n` down to `min_n`) and propose the tokens that followed it. No model, no cache. A draft's
+    bin is the length n of the match that proposed it."""
 
     role = None
     model = None
@@ -94,23 +113,27 @@ class NgramProposer:
     def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 1):
         self.vocab_size = vocab_size
         self.max_n, self.min_n = max_n, min_n
+        self.bins = max_n + 1
 
-    def propose(self, batch: Layout, k: int, params: RowParams, uniforms: torch.Tensor | None) -> Proposal:
-        rows = [lookup(s.token_ids, k, self.max_n, self.min_n) for s in batch.seqs]
+    def propose(
+        self, batch: Layout, k: int, params: RowParams, noise: torch.Tensor | None, stop: StopRule | None = None
+    ) -> Proposal:
+        found = [lookup_match(s.token_ids, k, self.max_n, self.min_n) for s in batch.seqs]
         device = batch.device
-        counts = torch.tensor([len(r) for r in rows], device=device)
-        drafts = torch.tensor([r + [0] * (k - len(r)) for r in rows], dtype=torch.long, device=device)
-        draft_probs = None
-        if not params.greedy:
-            proposed = torch.arange(k, device=device)[None, :] < counts[:, None]
-            draft_probs = torch.zeros(len(rows), k, self.vocab_size, device=device)
-            draft_probs.scatter_(2, drafts[..., None], proposed[..., None].float())
-        return Proposal(drafts, draft_probs, counts)
+        counts = torch.tensor([len(r) for r, _ in found], device=device)
+        drafts = torch.tensor([r + [0] * (k - len(r)) for r, _ in found], dtype=torch.long, device=device)
+        signal = torch.tensor([[n] * k for _, n in found], dtype=torch.long, device=device)
+        return Proposal(drafts, counts, signal)
 
 
 def lookup(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of tokens[-n:], trying the
     longest n first; [] when nothing matches."""
+    return lookup_match(tokens, k, max_n, min_n)[0]
+
+
+def lookup_match(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> tuple[list[int], int]:
+    """`lookup`, and the length n of the suffix that matched (0 when nothing did)."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n :]
@@ -118,5 +141,5 @@ def lookup(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[in
             if tokens[start : start + n] == suffix:
                 follow = tokens[start + n : start + n + k]
                 if follow:
-                    return follow
-    return []
+                    return follow, n
+    return [], 0

@@ -46,7 +46,7 @@ def need(seq: Sequence, k: int) -> int:
 class RaggedBatch:
     """Running sequences in rows 0..n-1, their entries in one `kv.SlotCache` per role;
     `counts[role][b]` entries of row b are real. Between `pending` and `realign`, `heads[role][b]`
-    is the next write slot. `reserved` is the budget promised to the running rows and to the
+    is the next write slot of a role fed this step (`fed`); a role not fed keeps its counts. `reserved` is the budget promised to the running rows and to the
     `incoming` sequences being prefilled for it."""
 
     def __init__(self, models: dict, capacity: int, budget: int, k: int, pad_id: int, device):
@@ -57,6 +57,7 @@ class RaggedBatch:
         }
         self.counts = {role: torch.zeros(capacity, dtype=torch.long, device=device) for role in models}
         self.heads = {role: torch.zeros(capacity, dtype=torch.long, device=device) for role in models}
+        self.fed: set[str] = set()  # roles fed since the last realign (a draft skips plain steps)
         self.reserved = self.incoming = 0
         self.peak_tokens = 0  # most slots allocated at once (capacity x S, the same for every role)
 
@@ -88,18 +89,25 @@ class RaggedBatch:
 
     def pending(self, role: str) -> torch.Tensor:
         """The last q tokens of every row, q = the most any row lacks; rows lacking fewer re-feed
-        already cached tokens (rewritten in place with the same values)."""
+        already cached tokens (rewritten in place with the same values). A row shorter than q (a
+        draft catching up after plain steps) re-feeds its first token at position 0 as often as
+        needed: identical inputs, identical entries."""
         n = len(self.seqs)
         lengths = self._lengths()
         q = int((lengths - self.counts[role][:n]).max())
         self.heads[role][:n] = lengths - q
-        return torch.tensor([s.token_ids[len(s) - q :] for s in self.seqs], dtype=torch.long, device=self.device)
+        self.fed.add(role)
+        return torch.tensor(
+            [[s.token_ids[max(0, len(s) - q + i)] for i in range(q)] for s in self.seqs],
+            dtype=torch.long,
+            device=self.device,
+        )
 
     def inputs(self, role: str, q: int) -> dict:
         """Write the next q tokens of each row at its head; mask and positions per row."""
         n, cache = len(self.seqs), self.caches[role]
         start = self.heads[role][:n]
-        positions = start[:, None] + torch.arange(q, device=self.device)[None, :]  # [n, q]
+        positions = (start[:, None] + torch.arange(q, device=self.device)[None, :]).clamp(min=0)  # [n, q]
         cache.prepare(n, positions)
         span = cache.span
         self.peak_tokens = max(self.peak_tokens, self.capacity * cache.slots)
@@ -111,8 +119,9 @@ class RaggedBatch:
         """No realignment: count the entries that hold committed tokens, then retire finished rows."""
         n = len(self.seqs)
         lengths = self._lengths()
-        for role in self.caches:
+        for role in self.fed:
             self.counts[role][:n] = torch.minimum(self.heads[role][:n], lengths - 1)
+        self.fed.clear()
         return self.retire()
 
     def retire(self) -> list[Sequence]:

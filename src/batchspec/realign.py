@@ -8,7 +8,8 @@ width, so that KV slot j of row b again holds the token in padded column j of ro
 Convention (stated once, used everywhere): a role with lag L holds every committed token of a
 row but the last L; the target always has L = 1 (its next input is the last committed token);
 the draft has L = 1, or L = 2 after a step in which some row accepted all k drafts (the last
-draft was never fed to the draft model, so it is re-fed with the bonus token).
+draft was never fed to the draft model, so it is re-fed with the bonus token), or more after plain
+steps that did not run it (adaptive speculation); it catches up on its next forward.
 
 Everything here is index arithmetic on small integer tensors; `kv.py` applies the resulting
 index to every layer with one gather.
@@ -64,9 +65,9 @@ def plan(
     same_rows = rows.numel() == old_pad_left.numel()
     roles = {}
     for role, old_width in cache_widths.items():
-        cached = old_width - old_pad  # real entries of each row in the old cache
+        cached = (old_width - old_pad).clamp(min=0)  # real entries of each row in the old cache
         lag = max(1, int((lengths - cached).max())) if rows.numel() else 1
-        keep = lengths - lag
+        keep = (lengths - lag).clamp(min=0)  # a row shorter than a draft's lag keeps nothing
         new_width = width - lag
         identity = same_rows and new_width == old_width and bool((pad_left == old_pad).all())
         index = None if identity else shift_index(old_pad, keep, old_width)

@@ -1,9 +1,9 @@
 """The oracle: the target alone, one sequence at a time, with its own KV cache.
 
 Deliberately plain: no padding, no masks, no position ids (the model counts them from the cache),
-one token per forward. Greedy takes the argmax; sampling draws one uniform per token from the
-sequence's own generator (as `ar` does, so the two agree token for token under a seed). Every other
-method is tested against this.
+one token per forward. Greedy takes the argmax; sampling picks with the Gumbel noise of the token's
+position under the request's seed (sampling.py), as every method does, so all of them agree with it
+token for token under a seed. Every other method is tested against this.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import kv
-from .sampling import probabilities, sample
+from .sampling import choose, probabilities, row_noise
 from .sequence import Sequence
 from .step import Context
 
@@ -28,8 +28,8 @@ def generate_one(target, seq: Sequence, observe=None) -> None:
         if params.greedy:
             token = int(logits.argmax(dim=-1))
         else:
-            u = torch.rand(1, generator=seq.generator, dtype=torch.float64)
-            token = int(sample(probabilities(logits, params), u))
+            noise = row_noise([seq], 1, logits.shape[-1], logits.device)[:, 0]
+            token = int(choose(probabilities(logits, params), noise))
         seq.commit([token])
         if observe is not None:
             observe([seq])

@@ -1,16 +1,23 @@
-"""Turning logits into the distributions that are sampled and matched, and sampling from them.
+"""Turning logits into distributions, and picking tokens from them.
 
-Pure tensor functions. The same `probabilities` is applied to draft and target logits, so the
-processed (temperature, top-k, top-p) distributions are the ones rejection sampling matches.
+Pure tensor functions. The same `probabilities` is applied to draft and target logits.
 Parameters are per row (`RowParams`, tensors [B]): one batch may mix greedy and sampled rows with
 different temperatures, top-p and top-k. A greedy row (temperature 0) gets the one-hot
-distribution of its argmax, so rejection sampling over it is greedy acceptance, whatever its
-uniforms. Sampling is by inverse CDF from uniforms drawn per row from the row's own generator, in
-float64, so a row's tokens depend only on its seed and its logits, never on the batch around it.
-"""
+distribution of its argmax.
+
+Sampling is coupled to token positions (Gumbel-max): the token at position t of a request is
+argmax(log p_t + g_t), with Gumbel noise g_t from a generator keyed by (the request's seed, t).
+Speculative verification is then the greedy rule against the target's own pick at each position
+(a draft is kept iff it equals it), so a row's tokens are a function of its seed and the target
+alone: the same whatever the batch around it, the method, or how many drafts each step verified,
+and equal, token for token, to `reference` under the same seed. The output follows the target's
+distribution exactly (each g_t is independent of everything before t). A draft model samples its
+proposals with the same g_t (Gumbel coupling), so it agrees with the target often when its
+distribution is close."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -87,29 +94,48 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.where(active, cut / cut.sum(dim=-1, keepdim=True), probs)
 
 
-def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: probs [B, V] (rows need not be normalised), uniforms [B] in [0, 1).
-
-    Returns token ids [B]. A zero-probability token is never returned for a row with mass > 0.
-    """
-    cdf = probs.double().cumsum(dim=-1)
-    target = uniforms.double().to(cdf.device) * cdf[:, -1]
-    idx = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
-    return idx.clamp(max=probs.shape[-1] - 1)
+def request_seed(seed: int | None) -> int:
+    """The seed of a sampled request: its own, or a fresh random one when it gave none."""
+    return seed if seed is not None else secrets.randbits(63)
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator for one request; `None` draws a fresh random seed."""
-    gen = torch.Generator()
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
-    return gen
+def _key(seed: int, position: int) -> int:
+    """A 64-bit generator seed for (request seed, token position): splitmix64 of the pair."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
 
 
-def draw_uniforms(generators: list[torch.Generator | None], n: int) -> torch.Tensor:
-    """[B, n] float64 uniforms, row b from generators[b] (a fixed order of use per row); a greedy
-    row (generator None) draws nothing and gets zeros, which its one-hot distributions ignore."""
-    zeros = torch.zeros(n, dtype=torch.float64)
-    return torch.stack([zeros if g is None else torch.rand(n, generator=g, dtype=torch.float64) for g in generators])
+_MASK = (1 << 64) - 1
+
+
+def gumbel(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """[V] Gumbel(0, 1) noise of token position `position` of a request: a function of
+    (seed, position) alone, so it is the same whichever step, batch or method picks that token."""
+    u = torch.rand(vocab, generator=torch.Generator().manual_seed(_key(seed, position)), dtype=torch.float64)
+    return -torch.log(-torch.log(u)).float()  # u == 0 gives -inf: that token is never picked
+
+
+def row_noise(seqs: list, width: int, vocab: int, device=None) -> torch.Tensor:
+    """[B, width, V] noise for the next `width` token positions of each row (positions
+    len(seq) .. len(seq) + width - 1); zeros for greedy rows (seed None). Each row keeps the noise of
+    positions it has not committed yet (`seq.noise`), so a rejected position is not drawn twice."""
+    out = torch.zeros(len(seqs), width, vocab)
+    for b, seq in enumerate(seqs):
+        if seq.seed is None:
+            continue
+        start = len(seq)
+        seq.noise = {t: g for t, g in seq.noise.items() if t >= start}
+        for i in range(width):
+            if start + i not in seq.noise:
+                seq.noise[start + i] = gumbel(seq.seed, start + i, vocab)
+            out[b, i] = seq.noise[start + i]
+    return out.to(device)
+
+
+def choose(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """probs [..., V], noise [..., V] -> token ids [...]: argmax(log probs + noise), the Gumbel-max
+    trick. With Gumbel noise the token follows `probs` exactly; with zero noise (a greedy row, whose
+    probs are one-hot) it is the argmax. A zero-probability token is never chosen."""
+    return (probs.float().log() + noise.to(probs.device)).argmax(dim=-1)

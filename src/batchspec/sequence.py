@@ -10,8 +10,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from .config import SamplingParams
 
 
@@ -29,7 +27,7 @@ class Sequence:
     prompt_ids: list[int]
     max_len: int  # hard cap on len(token_ids): min(prompt + max_new_tokens, context)
     eos_ids: frozenset[int]
-    generator: torch.Generator | None = None  # per-request randomness (sampling only)
+    seed: int | None = None  # sampled rows: the seed their token noise is keyed by; None when greedy
     params: SamplingParams = field(default_factory=SamplingParams)  # this row's sampling
     token_ids: list[int] = field(init=False)
     status: Status = Status.WAITING
@@ -38,6 +36,7 @@ class Sequence:
     proposed_drafts: int = 0  # draft tokens offered to this row, all steps together
     cancelled: bool = False  # set by any thread; the engine retires the row before its next step
     output_len: int | None = None  # set when a stop string cuts the output short of token_ids
+    noise: dict = field(default_factory=dict)  # sampling: Gumbel noise of uncommitted positions
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -29,7 +29,7 @@ from .errors import BatchspecError
 from .metrics import EngineCollector
 from .online import Chunk, OnlineEngine, QueueFull, ShuttingDown
 from .online import Request as EngineRequest
-from .sampling import make_generator
+from .sampling import request_seed
 from .sequence import Sequence
 
 #: KV tokens per row of the batch when --kv-budget is not given (or the model's context, if smaller).
@@ -75,7 +75,7 @@ class Service:
             prompt_ids=ids,
             max_len=min(n + max_tokens, self.context),
             eos_ids=frozenset() if params.ignore_eos else self.pair.eos_ids,
-            generator=None if params.greedy else make_generator(params.seed),
+            seed=None if params.greedy else request_seed(params.seed),
             params=params,
         )
 
@@ -255,7 +255,7 @@ def run_cli(args) -> int:
     app = create_app(service)
     print(
         f"batchspec: serving {service.model_name!r} on http://{args.host}:{args.port} "
-        f"(k={service.k}, {service.engine.capacity} rows, KV budget {service.budget} tokens)",
+        f"(k={0 if args.no_spec else args.k}, {service.engine.capacity} rows, KV budget {service.budget} tokens)",
         file=sys.stderr,
         flush=True,
     )
@@ -274,13 +274,11 @@ def run_cli(args) -> int:
 def build_service(args) -> Service:
     """The pair, the proposer and the online engine from `batchspec serve`'s options."""
     from .cli import load_models
-    from .engine import SpecDecoder
+    from .engine import SpecDecoder, make_speculation
     from .step import Context
 
     if args.max_queue < 0:
         raise BatchspecError(f"--max-queue must be >= 0, got {args.max_queue}")
-    if args.kv_budget_tokens is not None and args.kv_budget_tokens < args.k + 2:
-        raise BatchspecError(f"--kv-budget must leave room for a prompt token and k + 1 = {args.k + 1} draft slots")
     config = EngineConfig(
         method=args.method,
         k=args.k,
@@ -289,15 +287,18 @@ def build_service(args) -> Service:
         kv_budget_tokens=args.kv_budget_tokens,
         prefill_chunk=args.prefill_chunk,
     )
+    k = 0 if args.no_spec else config.k_max
+    if args.kv_budget_tokens is not None and args.kv_budget_tokens < k + 2:
+        raise BatchspecError(f"--kv-budget must leave room for a prompt token and k + 1 = {k + 1} draft slots")
     pair = load_models(args)
     decoder = SpecDecoder(pair, config)  # builds and checks the proposer
-    k = 0 if args.no_spec else config.k
     ctx = Context(
         target=pair.target,
         proposer=None if args.no_spec else decoder.proposer,
         k=k,
         pad_id=pair.pad_id,
         device=pair.device,
+        speculation=None if args.no_spec else make_speculation(config, pair.target, decoder.proposer),
     )
     budget = args.kv_budget_tokens or config.batch_size * min(pair.context_len, DEFAULT_KV_PER_ROW)
     lock = threading.Lock()

@@ -27,6 +27,7 @@ class Stats:
     steps: int = 0  # forward steps of the whole batch
     accepted_hist: Counter = field(default_factory=Counter)
     proposed_drafts: int = 0  # draft tokens offered to rows (accepted ones: accepted_hist)
+    chosen_k: Counter = field(default_factory=Counter)  # drafts verified per row per step: {k_i: count}
     extra: dict = field(default_factory=dict)  # method-specific (e.g. EXSPEC's group_rate)
 
     def _now(self) -> float:
@@ -79,6 +80,7 @@ class Stats:
             "mean_accepted": accepted / self.row_steps if self.row_steps else 0.0,
             "mean_batch_occupancy": self.row_steps / self.steps if self.steps else 0.0,
             "accepted_histogram": {str(a): n for a, n in sorted(self.accepted_hist.items())},
+            "chosen_k_histogram": {str(k): n for k, n in sorted(self.chosen_k.items())},
             "time_s": dict(self.stage_s),
             "time_share": shares,
             **self.extra,

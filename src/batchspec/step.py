@@ -7,10 +7,11 @@ autoregressive decoding: the target's bonus token only.
 
 Sampling parameters are per row (each Sequence's SamplingParams, stacked into `RowParams` every
 step): a batch may mix greedy and sampled rows. An all-greedy batch takes the argmax path; in a
-mixed batch greedy rows get one-hot distributions, for which rejection sampling is greedy
-acceptance. Randomness: each sampled row draws 2k+1 uniforms per step from its own generator (k
-for the draft's samples, k for the acceptance tests, 1 for the recovered/bonus token) and 1 at
-prefill, so a row's tokens depend on its seed alone, not on the batch it runs in.
+mixed batch greedy rows get one-hot distributions, so their pick is the argmax. Sampled rows pick
+with the Gumbel noise of each token position under their seed (sampling.py): the target's pick at
+every verified position is fixed by the row's seed and tokens, and the step keeps the drafts that
+equal it, so a row's tokens depend on its seed alone, not on the batch it runs in or on how many
+drafts were verified (speculation.py chooses that).
 
 `Context.observe` sees every row right after its tokens are committed and before the batch
 retires finished rows: the output processor (stop strings, streaming) finishes rows there.
@@ -27,8 +28,9 @@ import torch
 from . import acceptance, kv
 from .batch import PaddedBatch
 from .proposer import Proposal, Proposer
-from .sampling import RowParams, draw_uniforms, probabilities, sample
+from .sampling import RowParams, choose, probabilities, row_noise
 from .sequence import Sequence, Status
+from .speculation import Fixed, Speculation, timed
 from .stats import Stats
 from .verifier import forward, verify
 
@@ -73,7 +75,7 @@ class Context:
 
     target: torch.nn.Module
     proposer: Proposer | None
-    k: int  # draft tokens per step; 0 for plain decoding
+    k: int  # the most draft tokens a row verifies per step; 0 for plain decoding
     pad_id: int
     device: torch.device
     stats: Stats = field(default_factory=Stats)
@@ -81,6 +83,11 @@ class Context:
     on_finish: Callable[[list[Sequence]], None] = lambda seqs: None
     observe: Callable[[list[Sequence]], None] | None = None  # after commit, before retirement
     accept: Callable = acceptance.accept  # the acceptance rule (baselines.py plants a broken one)
+    speculation: Speculation | None = None  # how many drafts per step; None: always k (Fixed)
+
+    def __post_init__(self) -> None:
+        if self.speculation is None:
+            self.speculation = Fixed(self.k)
 
     def models(self) -> dict:
         """Models that keep a cache, by role: the target, and the draft if the proposer has one."""
@@ -122,37 +129,59 @@ def prefill(ctx: Context, batch: Layout) -> list[Sequence]:
 
 
 def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
-    """One speculative (or, with k = 0, plain) step for every row. Returns the finished rows."""
-    k, stats = ctx.k, ctx.stats
-    params = RowParams.of([s.params for s in batch.seqs], ctx.device)
-    u = None if params.greedy else draw_uniforms([s.generator for s in batch.seqs], 2 * k + 1)
+    """One speculative (or plain) step for every row; the speculation policy chooses how many
+    drafts to ask for and how many to verify. Returns the finished rows."""
+    stats, policy = ctx.stats, ctx.speculation
+    seqs, span = list(batch.seqs), max(len(s) for s in batch.seqs)
+    params = RowParams.of([s.params for s in seqs], ctx.device)
+    started = timed(ctx.device)
+    k = policy.plan(batch) if ctx.proposer is not None and policy.k_max > 0 else 0
+    vocab = ctx.target.config.vocab_size
+    noise = None if params.greedy else row_noise(seqs, k + 1, vocab, ctx.device)
     with stats.stage("draft"):
-        proposal = _propose(ctx, batch, params, u)
-    drafts, limit = proposal.drafts, proposal.num_proposed
+        proposal = None
+        if k > 0:
+            stop = policy.stop_rule(batch, started)
+            proposal = ctx.proposer.propose(batch, k, params, None if noise is None else noise[:, :k], stop)
+        drafts, limit = _chosen(policy, batch, proposal, started, ctx.device)
+    step_start = timed(ctx.device)
     with stats.stage("verify"):
         logits = verify(ctx.target, batch, drafts)
     with stats.stage("accept"):
-        k_eff = drafts.shape[1]
+        width = drafts.shape[1]
         if params.greedy:
-            outcome = ctx.accept(drafts, logits, None, None, None, None, limit)
+            choice = logits.argmax(dim=-1)
         else:
-            target_probs = probabilities(logits, params)
-            outcome = ctx.accept(
-                drafts, logits, proposal.draft_probs, target_probs, u[:, k : k + k_eff], u[:, 2 * k], limit
-            )
+            choice = choose(probabilities(logits, params), noise[:, : width + 1])
+        outcome = ctx.accept(drafts, choice, limit)
         rows, accepted = outcome.rows(), outcome.num_accepted.tolist()
-        kept = [seq.commit(row, a) for seq, row, a in zip(batch.seqs, rows, accepted)]
-        stats.record_step(kept, [seq.accepted_per_step[-1] for seq in batch.seqs])
-        offered = [k_eff] * len(batch.seqs) if limit is None else limit.tolist()
-        for seq, n in zip(batch.seqs, offered):
+        kept = [seq.commit(row, a) for seq, row, a in zip(seqs, rows, accepted)]
+        stats.record_step(kept, [seq.accepted_per_step[-1] for seq in seqs])
+        offered = [width] * len(seqs) if limit is None else limit.tolist()
+        for seq, n in zip(seqs, offered):
             seq.proposed_drafts += n
         stats.proposed_drafts += sum(offered)
+        stats.chosen_k.update(offered)
     if ctx.observe is not None:
-        ctx.observe(batch.seqs)
+        ctx.observe(seqs)
     with stats.stage("realign"):
         finished = batch.realign()
+    done = timed(ctx.device)
+    policy.observe(seqs, proposal, width, accepted, step_start - started, done - step_start, span)
     _after(ctx, batch, finished)
     return finished
+
+
+def _chosen(policy, batch: Layout, proposal: Proposal | None, started: float, device):
+    """The drafts to verify [B, w] and each row's count of real ones [B] (None: all w)."""
+    if proposal is None:
+        return torch.zeros(len(batch.seqs), 0, dtype=torch.long, device=device), None
+    width = policy.choose(batch, proposal, started)
+    limit = proposal.num_proposed
+    if limit is not None:
+        width = min(width, int(limit.max()))
+        limit = limit.clamp(max=width)
+    return proposal.drafts[:, :width], limit
 
 
 def _after(ctx: Context, batch: Layout, finished: list[Sequence]) -> None:
@@ -162,27 +191,10 @@ def _after(ctx: Context, batch: Layout, finished: list[Sequence]) -> None:
         ctx.on_finish(finished)
 
 
-def _propose(ctx: Context, batch: Layout, params: RowParams, u: torch.Tensor | None) -> Proposal:
-    n = len(batch.seqs)
-    if ctx.k == 0 or ctx.proposer is None:
-        empty = torch.zeros(n, 0, dtype=torch.long, device=ctx.device)
-        probs = None if params.greedy else torch.zeros(n, 0, ctx.target.config.vocab_size, device=ctx.device)
-        return Proposal(empty, probs)
-    proposal = ctx.proposer.propose(batch, ctx.k, params, None if u is None else u[:, : ctx.k])
-    if proposal.num_proposed is not None:  # drop columns no row uses; each row is unaffected
-        k_eff = int(proposal.num_proposed.max())
-        probs = proposal.draft_probs
-        proposal = Proposal(
-            proposal.drafts[:, :k_eff], None if probs is None else probs[:, :k_eff], proposal.num_proposed
-        )
-    return proposal
-
-
 def _pick(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """logits [B, V] -> one token per row: argmax for greedy rows, else a sample with one uniform
-    per sampled row."""
+    """logits [B, V] -> one token per row: the argmax for greedy rows, else the pick under the
+    noise of the row's next position."""
     params = RowParams.of([s.params for s in seqs], logits.device)
     if params.greedy:
         return logits.argmax(dim=-1)
-    u = draw_uniforms([s.generator for s in seqs], 1)[:, 0]
-    return sample(probabilities(logits, params), u)
+    return choose(probabilities(logits, params), row_noise(seqs, 1, logits.shape[-1], logits.device)[:, 0])

@@ -1,0 +1,116 @@
+"""Step costs measured on the machine in use, for adaptive speculation (speculation.py).
+
+A forward of q new tokens for each of B rows, attending over a span of S cached positions, costs
+
+    t(B, q, S) = a + b * (B q) + c * (B q S)        (seconds; a, b, c >= 0)
+
+a fixed part (weights read, launches, Python), a part per token (the matmuls, the LM head), and
+attention. One model each for the target's step (its verify forward plus accept, commit and
+realign: what a step costs beyond drafting) and for one proposer forward. Fitted by least squares
+on a few probe forwards taken when a decoder starts (about a second on CPU for a 135M model; kept
+per model, dtype and batch shape for the process) and on the steps actually timed; the recent
+steps weigh most, so the model follows the machine's load and the engine's real overheads.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+
+import torch
+
+from . import kv
+
+#: A probe counts as a quarter of a timed step: the steps actually run soon dominate the fit.
+PROBE_WEIGHT = 0.25
+#: S is in thousands of positions in the features, to keep the normal equations well scaled.
+_SPAN_UNIT = 1000.0
+
+
+def features(rows: int, q: int, span: int) -> list[float]:
+    tokens = float(rows * q)
+    return [1.0, tokens, tokens * span / _SPAN_UNIT]
+
+
+class LinearCost:
+    """t = coef . features(B, q, S), fitted to probes (kept) and the `recent` last observations."""
+
+    def __init__(self, probes: list[tuple[list[float], float]], recent: int = 200):
+        self.probes = list(probes)
+        self.seen: deque[tuple[list[float], float]] = deque(maxlen=recent)
+        self.coef = [0.0, 0.0, 0.0]
+        self._stale = 0
+        self._fit()
+
+    def __call__(self, rows: int, q: int, span: int) -> float:
+        x = features(rows, q, span)
+        return sum(c * v for c, v in zip(self.coef, x))
+
+    def observe(self, rows: int, q: int, span: int, seconds: float) -> None:
+        self.seen.append((features(rows, q, span), seconds))
+        self._stale += 1
+        if self._stale >= 8:
+            self._fit()
+
+    def _fit(self) -> None:
+        """Non-negative least squares over 3 coefficients, by trying every active set."""
+        self._stale = 0
+        data = self.probes + list(self.seen)
+        if not data:
+            return
+        weight = torch.tensor([PROBE_WEIGHT] * len(self.probes) + [1.0] * len(self.seen), dtype=torch.float64)
+        x = torch.tensor([f for f, _ in data], dtype=torch.float64) * weight.sqrt()[:, None]
+        y = torch.tensor([t for _, t in data], dtype=torch.float64) * weight.sqrt()
+        best, best_err = [0.0, 0.0, 0.0], float("inf")
+        for mask in range(1, 8):
+            cols = [i for i in range(3) if mask >> i & 1]
+            sol = torch.linalg.lstsq(x[:, cols], y[:, None]).solution[:, 0]
+            if bool((sol < 0).any()):
+                continue
+            coef = [0.0, 0.0, 0.0]
+            for i, v in zip(cols, sol.tolist()):
+                coef[i] = v
+            err = float(((x @ torch.tensor(coef, dtype=torch.float64)) - y).square().sum())
+            if err < best_err:
+                best, best_err = coef, err
+        self.coef = best
+
+
+@torch.inference_mode()
+def time_forward(model, rows: int, q: int, span: int, repeats: int = 1) -> float:
+    """Median seconds of one forward of q tokens for `rows` rows over `span` cached slots (their
+    contents are irrelevant to the time, so nothing is prefilled)."""
+    device = next(model.parameters()).device
+    cache = kv.SlotCache(model.config, next(model.parameters()).dtype, device, rows, first_slots=span + q)
+    positions = (span + torch.arange(q, device=device))[None, :].expand(rows, q)
+    mask = (torch.arange(span + q, device=device)[None, None, :] <= positions[:, :, None])[:, None]
+    ids = torch.zeros(rows, q, dtype=torch.long, device=device)
+    times = []
+    for _ in range(repeats + 1):  # the first run warms up
+        cache.prepare(rows, positions)
+        sync(device)
+        start = time.perf_counter()
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+_PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def probe(model, rows: int, q_max: int, spans: tuple[int, ...] = (64, 512)) -> list[tuple[list[float], float]]:
+    """Timed forwards at 1 and `rows` rows, 1 and `q_max` tokens, over short and long spans
+    (cached per model and shape for the process)."""
+    key = (rows, q_max, spans, next(model.parameters()).dtype)
+    per_model = _PROBES.setdefault(model, {})
+    if key not in per_model:
+        points = [(b, q, s) for b in sorted({1, rows}) for q in sorted({1, q_max}) for s in spans]
+        per_model[key] = [(features(b, q, s), time_forward(model, b, q, s)) for b, q, s in points]
+    return per_model[key]

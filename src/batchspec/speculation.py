@@ -1,0 +1,227 @@
+"""How many drafts each row verifies each step: a fixed k, or `auto`, chosen from measured costs.
+
+`Fixed(k)` asks the proposer for k drafts per row every step.
+
+`Adaptive(k_max)` (`-k auto`) maximises the expected tokens per second of each whole step,
+
+    rate(q) = E(q) / (T_prop + T_step(B, q, S)),   q = 1 .. k_max + 1 (q - 1 drafts per row),
+
+where T_step is the target's step of B rows, q tokens each, over span S, and T_prop the proposer's
+time (costmodel.py: probed at start, refined from every step timed), and E(q) = sum over rows of
+1 + sum_{j <= k_b} prod_{l <= j} a_b(l), with k_b = min(q - 1, drafts row b got) and a_b(l) the
+estimated probability that draft l is accepted once drafts 1 .. l-1 were:
+
+    a_b(l) = table[bin of draft l, l] x r_b
+
+`table` is acceptance by the proposer's confidence bin (the n-gram match length; the draft model's
+probability of its token, in tenths) and position, learned online (exponential moving averages);
+`r_b` is row b's recent accepted / expected ratio (its text is more or less predictable than
+average), relaxing towards 1 while the row does not speculate.
+
+The k = 0 arm has no tax: before proposing, if no width q > 1 can beat a plain step (for a cheap
+proposer even if every row's drafts were of its best bin; for a draft model at the acceptance seen
+so far), the step is plain decoding (no proposer call, no extra tensors). A draft model stops drafting as soon
+as one more draft is expected to lower the rate. Every row is verified over the same width q (the
+layouts' forwards are rectangular); row b verifies k_b = min(q - 1, its drafts) of them.
+
+Output never depends on these choices (acceptance.py, sampling.py); only speed does.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .costmodel import LinearCost, probe, sync
+
+#: `-k auto`: the most drafts a row verifies in one step.
+AUTO_K_MAX = 6
+#: Weight of one new observation in the acceptance table's moving averages (after the first
+#: 1 / TABLE_RATE observations of a cell, which are averaged with the prior as one more).
+TABLE_RATE = 0.05
+#: Weight of one step's observation in a row's accepted / expected ratio.
+ROW_RATE = 0.3
+
+
+@runtime_checkable
+class Speculation(Protocol):
+    """What the step asks of a speculation policy (`step.decode_step`)."""
+
+    k_max: int  # the most drafts a row verifies in one step (KV slots are reserved for it)
+    adaptive: bool
+
+    def plan(self, batch) -> int:
+        """Drafts to ask the proposer for this step (0: a plain step, no proposer call)."""
+        ...
+
+    def stop_rule(self, batch, started: float):
+        """A proposer.StopRule for drafting step by step, or None."""
+        ...
+
+    def choose(self, batch, proposal, started: float) -> int:
+        """How many of the proposal's drafts to verify (the width less one)."""
+        ...
+
+    def observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span) -> None:
+        """The step's outcome: accepted drafts per row [B], seconds spent proposing and stepping."""
+        ...
+
+
+class Fixed:
+    """k drafts per row every step (a row gets fewer when its proposer finds fewer)."""
+
+    adaptive = False
+
+    def __init__(self, k: int):
+        self.k_max = k
+
+    def plan(self, batch) -> int:
+        return self.k_max
+
+    def stop_rule(self, batch, started: float):
+        return None
+
+    def choose(self, batch, proposal, started: float) -> int:
+        return int(proposal.drafts.shape[1])
+
+    def observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span) -> None:
+        pass
+
+
+class Adaptive:
+    """Per-step widths from measured costs and learned acceptance (module docstring)."""
+
+    adaptive = True
+
+    def __init__(self, target, proposer, capacity: int, k_max: int = AUTO_K_MAX):
+        self.k_max, self.proposer = k_max, proposer
+        self.step_cost = LinearCost(probe(target, capacity, k_max + 1))
+        cheap = proposer.model is None
+        self.prop_cost = LinearCost([] if cheap else probe(proposer.model, capacity, 1))
+        self.table = _prior(proposer.bins, k_max)  # [bins, k_max] conditional acceptance
+        self.seen = torch.zeros_like(self.table)  # observations per cell: a running mean at first
+        self.any_bin = torch.full((k_max,), 0.5, dtype=torch.float64)  # the same, whatever the bin
+        self.ratio: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> r_b
+
+    # --- before proposing -----------------------------------------------------------------
+    def plan(self, batch) -> int:
+        """Drafts to ask the proposer for: k_max, or 0 when no width can beat a plain step."""
+        rows, span = len(batch.seqs), _span(batch)
+        r = self._ratios(batch.seqs)
+        # A cheap proposer (lookup) is asked unless even its best bin could not pay; a model only
+        # when the acceptance seen so far, whatever the bin, can.
+        prior = self.table.max(dim=0).values if self.proposer.model is None else self.any_bin
+        a = (prior[None, :] * r[:, None]).clamp(max=0.98)
+        rates = self._rates(a.cumprod(dim=1), self._prop_seconds(rows, self.k_max, span), rows, span, sunk=False)
+        if int(rates.argmax()) == 0:
+            for seq in batch.seqs:  # a row that does not speculate drifts back to average
+                self.ratio[seq] = r_b = self.ratio.get(seq, 1.0)
+                self.ratio[seq] = r_b + 0.05 * (1.0 - r_b)
+            return 0
+        return self.k_max
+
+    def stop_rule(self, batch, started: float):
+        """For a drafting proposer: stop once one more draft is expected to lower the rate."""
+        rows, span = len(batch.seqs), _span(batch)
+        r = self._ratios(batch.seqs)
+
+        def stop(i: int, bins: torch.Tensor) -> bool:
+            a = self._estimates(bins.cpu(), r)  # [B, i+1]
+            nxt = (self.table[bins[:, -1].cpu(), i + 1] * r).clamp(max=0.98)  # the next draft like the last
+            p = torch.cat([a, nxt[:, None]], dim=1).cumprod(dim=1)
+            spent = time.perf_counter() - started
+            now = self._rates(p[:, :-1], spent, rows, span).max()
+            more = self._rates(p, spent + self.prop_cost(rows, 1, span), rows, span)[-1]
+            return bool(more <= now)
+
+        return stop if self.proposer.model is not None else None
+
+    # --- after proposing ------------------------------------------------------------------
+    def choose(self, batch, proposal, started: float) -> int:
+        """The verify width's draft count q - 1 that maximises the step's expected rate."""
+        drafts = proposal.drafts.shape[1]
+        if drafts == 0:
+            return 0
+        rows, span = len(batch.seqs), _span(batch)
+        a = self._estimates(proposal.signal.cpu(), self._ratios(batch.seqs))
+        if proposal.num_proposed is not None:
+            a = a * (torch.arange(drafts)[None, :] < proposal.num_proposed.cpu()[:, None])
+        spent = time.perf_counter() - started
+        return int(self._rates(a.cumprod(dim=1), spent, rows, span).argmax())
+
+    def observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span) -> None:
+        """Learn from a finished step: acceptance by bin and position, each row's ratio, costs."""
+        rows = len(num_accepted)
+        self.step_cost.observe(rows, width + 1, span, step_s)
+        if proposal is None:
+            return
+        drafted = proposal.drafts.shape[1]
+        forwards = drafted if self.proposer.model is not None else 1
+        if forwards:
+            self.prop_cost.observe(rows, 1, span, prop_s / forwards)
+        if width == 0:
+            return
+        got = torch.tensor(num_accepted, dtype=torch.float64)
+        offered = torch.full((rows,), width)
+        if proposal.num_proposed is not None:
+            offered = torch.minimum(offered, proposal.num_proposed.cpu())
+        bins = proposal.signal[:, :width].cpu()
+        r = self._ratios(seqs)
+        expected = self._estimates(bins, r).cumprod(dim=1)
+        pos = torch.arange(width)
+        reached = (pos[None, :] <= got[:, None]) & (pos[None, :] < offered[:, None])  # draft l+1 was tested
+        passed = (pos[None, :] < got[:, None]).double()
+        for b, j in reached.nonzero().tolist():
+            bin_, hit = int(bins[b, j]), float(passed[b, j])
+            self.seen[bin_, j] += 1
+            self.table[bin_, j] += max(TABLE_RATE, 1 / (1 + self.seen[bin_, j])) * (hit - self.table[bin_, j])
+            self.any_bin[j] += max(TABLE_RATE, 1 / (1 + self.seen[:, j].sum())) * (hit - self.any_bin[j])
+        for b, seq in enumerate(seqs):
+            if int(offered[b]) > 0:
+                e = float((expected[b] * (pos < offered[b])).sum())
+                ratio = (float(got[b]) + 0.5) / (e + 0.5)
+                r_b = self.ratio.get(seq, 1.0)
+                self.ratio[seq] = min(2.0, max(0.25, r_b + ROW_RATE * (ratio - r_b)))
+
+    # --- the model ------------------------------------------------------------------------
+    def _ratios(self, seqs) -> torch.Tensor:
+        return torch.tensor([self.ratio.get(s, 1.0) for s in seqs], dtype=torch.float64)
+
+    def _estimates(self, bins: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """bins [B, j] -> a [B, j]: estimated conditional acceptance of each draft."""
+        pos = torch.arange(bins.shape[1])[None, :].expand_as(bins)
+        return (self.table[bins, pos] * r[:, None]).clamp(max=0.98)
+
+    def _prop_seconds(self, rows: int, drafts: int, span: int) -> float:
+        forwards = drafts if self.proposer.model is not None else 1
+        return forwards * self.prop_cost(rows, 1, span)
+
+    def _rates(self, p: torch.Tensor, prop_s: float, rows: int, span: int, sunk: bool = True) -> torch.Tensor:
+        """p [B, j]: probability that drafts 1..l are all accepted -> expected tokens per second of
+        widths q = 1 .. j + 1 (index q - 1). The proposer's time `prop_s` is already spent (`sunk`,
+        charged to every width) or still avoidable (charged to widths q > 1 only)."""
+        tokens = rows + torch.cat([torch.zeros(1, dtype=torch.float64), p.sum(dim=0).cumsum(dim=0)])
+        seconds = torch.tensor(
+            [self.step_cost(rows, q, span) + (prop_s if sunk or q > 1 else 0.0) for q in range(1, p.shape[1] + 2)],
+            dtype=torch.float64,
+        )
+        return tokens / seconds.clamp(min=1e-9)
+
+
+def _prior(bins: int, k_max: int) -> torch.Tensor:
+    """Starting acceptance by bin: a bin's share of the way to 0.9 (bin 0: no confidence)."""
+    return (torch.arange(bins, dtype=torch.float64) + 0.5)[:, None].div(bins).mul(0.9).expand(bins, k_max).clone()
+
+
+def _span(batch) -> int:
+    """The attention span of the batch's next forward, near enough: its longest row."""
+    return max(len(s) for s in batch.seqs)
+
+
+def timed(device) -> float:
+    """perf_counter after the device's queued work (the costs are measured on what ran)."""
+    sync(device)
+    return time.perf_counter()

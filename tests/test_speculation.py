@@ -1,0 +1,169 @@
+"""Adaptive speculation: output never depends on how many drafts a step verifies (any per-step
+choice, early stops included, for every method, greedy and seeded sampling), and the `auto` policy
+makes the choices its cost model and acceptance estimates call for: a plain step without calling
+the proposer when verification cannot pay, wide steps when it can, estimates that learn."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from helpers import random_prompts, reference_tokens
+from hypothesis import given
+from hypothesis import strategies as st
+
+import batchspec.speculation as speculation
+from batchspec import SamplingParams, SpecDecoder
+from batchspec.costmodel import LinearCost, features
+from batchspec.proposer import NgramProposer, Proposal
+from batchspec.speculation import Adaptive, Speculation
+
+METHODS = ("spec1", "eqspec", "exspec", "ragged")
+
+
+class RandomK:
+    """A policy that asks for, stops at and verifies random numbers of drafts (seeded)."""
+
+    adaptive = True
+
+    def __init__(self, seed: int, k_max: int = 5):
+        self.rng, self.k_max = random.Random(seed), k_max
+
+    def plan(self, batch) -> int:
+        return self.rng.choice([0, 1, self.k_max, self.rng.randint(1, self.k_max)])
+
+    def stop_rule(self, batch, started):
+        return lambda i, bins: self.rng.random() < 0.3
+
+    def choose(self, batch, proposal, started) -> int:
+        return self.rng.randint(0, proposal.drafts.shape[1])
+
+    def observe(self, *args) -> None:
+        pass
+
+
+def _decode(pair, prompts, params, policy=None, **config):
+    dec = SpecDecoder(pair, check_invariants=True, **config)
+    if policy is not None:
+        dec.speculation = policy
+    return [o.token_ids for o in dec.generate(prompts, params)], dec.stats
+
+
+def test_random_policy_meets_the_protocol():
+    assert isinstance(RandomK(0), Speculation)
+
+
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 7),
+    batch=st.integers(1, 5),
+    method=st.sampled_from(METHODS),
+    proposer=st.sampled_from(["draft", "ngram"]),
+)
+def test_any_choice_of_k_per_step_equals_reference(tiny64, seed, n, batch, method, proposer):
+    prompts = random_prompts(seed, n, 1, 40)
+    got, stats = _decode(
+        tiny64,
+        prompts,
+        SamplingParams(max_new_tokens=24),
+        RandomK(seed),
+        method=method,
+        batch_size=batch,
+        proposer=proposer,
+        k=5,
+    )
+    assert got == reference_tokens(tiny64, prompts, 24)
+    assert sum(stats.chosen_k.values()) == stats.row_steps
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_any_choice_of_k_per_step_samples_like_reference(tiny64, method):
+    prompts = random_prompts(8, 6, 1, 30)
+    params = [SamplingParams(temperature=0.9, top_k=50, seed=s, max_new_tokens=20) for s in range(6)]
+    ref = [o.token_ids for o in SpecDecoder(tiny64, method="reference").generate(prompts, params)]
+    for seed in range(3):
+        got, _ = _decode(tiny64, prompts, params, RandomK(seed), method=method, batch_size=3, k=5)
+        assert got == ref
+
+
+def _costs(per_token: float, fixed: float = 0.01) -> LinearCost:
+    """A cost model that has measured t = fixed + per_token x (B q)."""
+    points = [(b, q, 100) for b in (1, 8) for q in (1, 7)]
+    return LinearCost([(features(b, q, s), fixed + per_token * b * q) for b, q, s in points])
+
+
+class _Spy(NgramProposer):
+    def __init__(self, vocab):
+        super().__init__(vocab)
+        self.calls = 0
+
+    def propose(self, *args, **kwargs):
+        self.calls += 1
+        return super().propose(*args, **kwargs)
+
+
+def _adaptive(pair, proposer, step_cost, prop_cost=None) -> Adaptive:
+    policy = Adaptive.__new__(Adaptive)
+    Adaptive.__init__(policy, pair.target, proposer, 4)
+    policy.step_cost = step_cost
+    policy.prop_cost = prop_cost if prop_cost is not None else _costs(0.0, 1e-5)
+    return policy
+
+
+def test_plain_steps_when_verification_cannot_pay(tiny64):
+    """Each extra token per row costs as much as a whole step: a plain step is never beaten, so
+    the proposer is never called and every step verifies nothing."""
+    spy = _Spy(tiny64.vocab_size)
+    policy = _adaptive(tiny64, spy, _costs(per_token=1.0, fixed=0.0))
+    dec = SpecDecoder(tiny64, method="ragged", batch_size=4, k="auto", proposer="ngram")
+    dec.proposer, dec.speculation = spy, policy
+    prompts = [[5, 6, 7] * 10] * 4  # repetitive: lookup would find matches
+    outs = dec.generate(prompts, SamplingParams(max_new_tokens=16))
+    assert spy.calls == 0
+    assert set(dec.stats.chosen_k) == {0}
+    assert [o.token_ids for o in outs] == reference_tokens(tiny64, prompts, 16)
+
+
+def test_wide_steps_when_verification_is_nearly_free(tiny_same):
+    """Verification costs almost nothing beyond a plain step and the draft (the target itself)
+    is always right: the policy learns it and verifies the most drafts."""
+    dec = SpecDecoder(tiny_same, method="ragged", batch_size=4, k="auto", proposer="draft")
+    dec.speculation = _adaptive(tiny_same, dec.proposer, _costs(per_token=1e-6, fixed=0.01))
+    prompts = random_prompts(3, 4, 5, 20)
+    outs = dec.generate(prompts, SamplingParams(max_new_tokens=40))
+    assert [o.token_ids for o in outs] == reference_tokens(tiny_same, prompts, 40)
+    hist = dec.stats.chosen_k
+    assert max(hist) == speculation.AUTO_K_MAX and hist[speculation.AUTO_K_MAX] > sum(hist.values()) / 2
+    assert dec.speculation.any_bin[0] > 0.9  # every draft accepted: learned (prior 0.5)
+
+
+def test_choice_follows_the_acceptance_estimates(tiny64):
+    """With a moderate verify cost, rows whose drafts are likely right get wide steps and rows
+    without a lookup match none."""
+    policy = _adaptive(tiny64, NgramProposer(tiny64.vocab_size), _costs(per_token=0.002, fixed=0.01))
+
+    class Batch:
+        seqs = [type("S", (), {"__len__": lambda self: 50})() for _ in range(4)]
+
+    drafts = torch.zeros(4, 6, dtype=torch.long)
+    likely = Proposal(drafts, torch.tensor([6, 6, 6, 6]), torch.full((4, 6), 3))
+    policy.table[3] = 0.95
+    assert policy.choose(Batch, likely, started=time.perf_counter()) == 6
+    none = Proposal(drafts, torch.tensor([0, 0, 0, 0]), torch.zeros(4, 6, dtype=torch.long))
+    assert policy.choose(Batch, none, started=time.perf_counter()) == 0
+    policy.table[1] = 0.05
+    unlikely = Proposal(drafts, torch.tensor([6, 6, 6, 6]), torch.full((4, 6), 1))
+    assert policy.choose(Batch, unlikely, started=time.perf_counter()) == 0
+
+
+def test_cost_fit_recovers_a_linear_cost():
+    true = (0.02, 0.001, 0.0005)
+    points = [(b, q, s) for b in (1, 4, 16) for q in (1, 3, 7) for s in (10, 500, 2000)]
+    cost = LinearCost([(features(*p), sum(c * f for c, f in zip(true, features(*p)))) for p in points])
+    for p in [(2, 2, 100), (8, 5, 1500)]:
+        assert cost(*p) == pytest.approx(sum(c * f for c, f in zip(true, features(*p))), rel=1e-6)
+    for _ in range(16):  # the machine slows down 2x: recent steps outweigh the probes
+        cost.observe(8, 1, 500, 2 * sum(c * f for c, f in zip(true, features(8, 1, 500))))
+    assert cost(8, 1, 500) > 1.5 * sum(c * f for c, f in zip(true, features(8, 1, 500)))
