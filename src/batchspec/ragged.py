@@ -46,8 +46,9 @@ def need(seq: Sequence, k: int) -> int:
 class RaggedBatch:
     """Running sequences in rows 0..n-1, their entries in one `kv.SlotCache` per role;
     `counts[role][b]` entries of row b are real. Between `pending` and `realign`, `heads[role][b]`
-    is the next write slot of a role fed this step (`fed`); a role not fed keeps its counts. `reserved` is the budget promised to the running rows and to the
-    `incoming` sequences being prefilled for it."""
+    is the next write slot of a role fed this step (`fed`); a role not fed keeps its counts.
+    `reserved` is the budget promised to the running rows and to the `incoming` sequences being
+    prefilled for it."""
 
     def __init__(self, models: dict, capacity: int, budget: int, k: int, pad_id: int, device):
         self.seqs: list[Sequence] = []
