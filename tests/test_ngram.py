@@ -3,13 +3,16 @@ every method that takes a proposer."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
 from helpers import decode, reference_tokens
+from hypothesis import given
+from hypothesis import strategies as st
 
 from batchspec import SamplingParams, SpecDecoder
-from batchspec.proposer import lookup
+from batchspec.proposer import NgramIndex, lookup, lookup_match
 
 
 def test_match_found_takes_the_longest_suffix_first():
@@ -65,3 +68,20 @@ def test_ngram_acceptance_is_what_lookup_predicts(tiny64):
             done += kept
     assert dec.stats.summary()["accepted_histogram"] == {str(n): c for n, c in sorted(expected.items())}
     assert expected[0] < sum(expected.values())  # the prompts are built so that lookups hit
+
+
+@given(
+    seed=st.integers(0, 10**6),
+    vocab=st.sampled_from([2, 3, 5, 40]),
+    max_n=st.integers(1, 4),
+    steps=st.integers(1, 12),
+)
+def test_incremental_index_equals_lookup(seed, vocab, max_n, steps):
+    """The proposer's per-sequence index gives `lookup`'s answer as the token list grows."""
+    rng = random.Random(seed)
+    tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 10))]
+    index = NgramIndex(max_n, 1)
+    for _ in range(steps):
+        k = rng.randint(1, 6)
+        assert index.lookup(tokens, k) == lookup_match(tokens, k, max_n, 1)
+        tokens += [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]

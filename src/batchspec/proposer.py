@@ -12,6 +12,7 @@ row behaves exactly as if it had been asked for that many, whatever the rest of 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -114,16 +115,45 @@ class NgramProposer:
         self.vocab_size = vocab_size
         self.max_n, self.min_n = max_n, min_n
         self.bins = max_n + 1
+        self.indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> NgramIndex
 
     def propose(
         self, batch: Layout, k: int, params: RowParams, noise: torch.Tensor | None, stop: StopRule | None = None
     ) -> Proposal:
-        found = [lookup_match(s.token_ids, k, self.max_n, self.min_n) for s in batch.seqs]
+        found = []
+        for seq in batch.seqs:
+            index = self.indexes.get(seq)
+            if index is None:
+                index = self.indexes[seq] = NgramIndex(self.max_n, self.min_n)
+            found.append(index.lookup(seq.token_ids, k))
         device = batch.device
         counts = torch.tensor([len(r) for r, _ in found], device=device)
         drafts = torch.tensor([r + [0] * (k - len(r)) for r, _ in found], dtype=torch.long, device=device)
         signal = torch.tensor([[n] * k for _, n in found], dtype=torch.long, device=device)
         return Proposal(drafts, counts, signal)
+
+
+class NgramIndex:
+    """`lookup_match` in O(k + max_n) per call over a growing token list: for each n, the latest
+    start of every n-gram that has a follower, updated with the tokens added since the last call.
+    Valid because a sequence's tokens only ever grow."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+        self.last: dict[int, dict[tuple, int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.done = 0  # n-grams starting before ... are indexed once they have a follower
+
+    def lookup(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        length = len(tokens)
+        for n, table in self.last.items():  # n-grams at start s need s + n <= length - 1
+            for start in range(max(0, self.done - n), length - n):
+                table[tuple(tokens[start : start + n])] = start
+        self.done = length
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            start = self.last[n].get(tuple(tokens[length - n :]))
+            if start is not None:
+                return tokens[start + n : start + n + k], n
+        return [], 0
 
 
 def lookup(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
