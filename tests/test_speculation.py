@@ -26,8 +26,6 @@ METHODS = ("spec1", "eqspec", "exspec", "ragged")
 class RandomK:
     """A policy that asks for, stops at and verifies random numbers of drafts (seeded)."""
 
-    adaptive = True
-
     def __init__(self, seed: int, k_max: int = 5):
         self.rng, self.k_max = random.Random(seed), k_max
 
@@ -137,6 +135,9 @@ def test_wide_steps_when_verification_is_nearly_free(tiny_same):
     hist = dec.stats.chosen_k
     assert max(hist) == speculation.AUTO_K_MAX and hist[speculation.AUTO_K_MAX] > sum(hist.values()) / 2
     assert dec.speculation.any_bin[0] > 0.9  # every draft accepted: learned (prior 0.5)
+    report = dec.stats.summary()["speculation"]
+    assert set(report["step_cost"]) == {"fixed_ms", "per_token_ms", "per_token_per_1k_span_ms"}
+    assert report["acceptance_any_bin"][0] > 0.9
 
 
 def test_choice_follows_the_acceptance_estimates(tiny64):

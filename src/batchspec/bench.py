@@ -161,6 +161,7 @@ def _summarise(method, batch, k, samples, costs, has_draft) -> dict:
         "peak_cuda_mb",
         "group_rate",
         "proposer",
+        "speculation",
     )
     return (
         {"method": method, "batch_size": batch, "k": k}

@@ -135,6 +135,9 @@ class SpecDecoder:
         with torch.inference_mode(), self.stats.run():
             runner(ctx, seqs, cfg)
         bar.close()
+        describe = getattr(ctx.speculation, "describe", None)  # what `auto` measured and learned
+        if describe is not None:
+            self.stats.extra["speculation"] = describe()
         unfinished = [s.index for s in seqs if not s.finished]
         assert not unfinished, f"method {cfg.method} left sequences unfinished: {unfinished}"
         return self.stats

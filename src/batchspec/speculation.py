@@ -51,7 +51,6 @@ class Speculation(Protocol):
     """What the step asks of a speculation policy (`step.decode_step`)."""
 
     k_max: int  # the most drafts a row verifies in one step (KV slots are reserved for it)
-    adaptive: bool
 
     def plan(self, batch) -> int:
         """Drafts to ask the proposer for this step (0: a plain step, no proposer call)."""
@@ -73,8 +72,6 @@ class Speculation(Protocol):
 class Fixed:
     """k drafts per row every step (a row gets fewer when its proposer finds fewer)."""
 
-    adaptive = False
-
     def __init__(self, k: int):
         self.k_max = k
 
@@ -93,8 +90,6 @@ class Fixed:
 
 class Adaptive:
     """Per-step widths from measured costs and learned acceptance (module docstring)."""
-
-    adaptive = True
 
     def __init__(self, target, proposer, capacity: int, k_max: int = AUTO_K_MAX):
         self.k_max, self.proposer = k_max, proposer
@@ -185,6 +180,19 @@ class Adaptive:
                 ratio = (float(got[b]) + 0.5) / (e + 0.5)
                 r_b = self.ratio.get(seq, 1.0)
                 self.ratio[seq] = min(2.0, max(0.25, r_b + ROW_RATE * (ratio - r_b)))
+
+    def describe(self) -> dict:
+        """What the policy measured and learned (JSON-ready): the fitted costs in ms, t = fixed +
+        per_token x (B q) + per_token_per_1k_span x (B q S / 1000), and acceptance by bin."""
+        names = ("fixed_ms", "per_token_ms", "per_token_per_1k_span_ms")
+        return {
+            "step_cost": {n: 1e3 * c for n, c in zip(names, self.step_cost.coef)},
+            "proposer_cost": {n: 1e3 * c for n, c in zip(names, self.prop_cost.coef)},
+            "acceptance_by_bin": {
+                str(b): [round(float(a), 3) for a in row] for b, row in enumerate(self.table) if self.seen[b].sum() > 0
+            },
+            "acceptance_any_bin": [round(float(a), 3) for a in self.any_bin],
+        }
 
     # --- the model ------------------------------------------------------------------------
     def _ratios(self, seqs) -> torch.Tensor:
