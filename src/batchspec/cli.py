@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 
-from . import bench, equivalence, methods
+from . import bench, equivalence, methods, tp
 from .config import PROPOSERS, EngineConfig, SamplingParams
 from .engine import SpecDecoder
 from .errors import BatchspecError
-from .models import DTYPES, PAIRS, load_pair
+from .models import DTYPES, PAIRS, load_pair, target_config
 from .prompts import Prompt, read_prompts
 
 DEFAULT_PROMPTS = ["Why is the sky blue?", "Write a haiku about the sea.", "What is speculative decoding?"]
@@ -33,6 +34,14 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         "--dtype", choices=list(DTYPES), default="float32", help="float32 (default: exact) or bfloat16 (fast)"
     )
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the target over N processes with transformers' tensor-parallel plan (started with "
+        "torch.distributed.run unless already under torchrun; docs/scale-out.md)",
+    )
 
 
 def _prompt_options(p: argparse.ArgumentParser) -> None:
@@ -218,7 +227,9 @@ def engine_config(args, method: str, batch_size: int, progress: bool) -> EngineC
 
 def load_models(args):
     pair = args.pair if args.target is None else None
-    return load_pair(pair=pair, target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+    return load_pair(
+        pair=pair, target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, tp_size=args.tp
+    )
 
 
 def cmd_generate(args) -> int:
@@ -307,15 +318,34 @@ def write_json(path: str, data: dict) -> None:
         f.write("\n")
 
 
+def start_ranks(args, argv: list[str]) -> None:
+    """--tp N: check the target can be split, then become one of N ranks (tp.py). Rank 0 prints
+    and writes files; the others run the same loop silently."""
+    pair = args.pair if args.target is None else None
+    tp.check(target_config(pair, args.target), args.tp)
+    tp.launch(args.tp, argv)
+    args.device = tp.init(args.device)
+    if not tp.is_leader():
+        sys.stdout = open(os.devnull, "w")  # for the life of the process
+        args.quiet, args.json = True, None
+        if hasattr(args, "plot"):
+            args.plot = None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
+        if args.tp != 1:
+            start_ranks(args, argv)
         if args.command == "generate":
             return cmd_generate(args)
         return args.run(args)
     except BatchspecError as err:
         print(f"batchspec: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        tp.finish()
 
 
 if __name__ == "__main__":

@@ -97,6 +97,14 @@ def unsupported_layers(config) -> set[str]:
     return {type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer}
 
 
+def kv_heads(config) -> int:
+    """KV heads one process holds: all of them, or its share when transformers loaded the model
+    tensor-parallel (the config then carries `distributed_config.tp_size`)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    tp_size = getattr(getattr(config, "distributed_config", None), "tp_size", None) or 1
+    return heads // tp_size
+
+
 def count(layers: SeqKV) -> int:
     """Entries held by one sequence's share."""
     return layers[0][0].shape[2] if layers else 0
@@ -239,7 +247,7 @@ class SlotCache(Cache):
     sets the write index [n, q] and the span attended."""
 
     def __init__(self, config, dtype: torch.dtype, device, capacity: int, first_slots: int = 64):
-        self.heads = config.num_key_value_heads
+        self.heads = kv_heads(config)
         self.dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.capacity, self.dtype, self.device = capacity, dtype, device
         layers = [
