@@ -120,8 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve_parser(sub) -> None:
-    """`batchspec serve`: the OpenAI-compatible server (server.py); methods that admit rows only."""
-    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API with continuous batching")
+    """`batchspec serve`: the OpenAI-compatible server (server.py); methods that admit rows only;
+    replicas on Ray Serve (replicas.py)."""
+    p = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API with continuous batching",
+        description="Serve an OpenAI-compatible HTTP API with continuous batching: one process, N replicas "
+        "behind Ray Serve (--replicas, --ray-address), or a target sharded over N processes (--tp). "
+        "See docs/scale-out.md.",
+    )
     _model_options(p)
     g = p.add_argument_group("decoding")
     served = [m.name for m in methods.METHODS.values() if m.serves]
@@ -153,13 +160,52 @@ def _serve_parser(sub) -> None:
         default=30.0,
         help="on SIGTERM, seconds running requests may take to finish before they are cancelled",
     )
+    g = p.add_argument_group("replicas (Ray Serve; pip install 'batchspec[ray]')")
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N copies of the server behind Ray Serve's router, health checks and restarts (default 1: no Ray)",
+    )
+    g.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="an existing Ray cluster (e.g. auto, ray://head:10001); default: a local Ray instance",
+    )
+    g.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="CPUs Ray grants each replica, fractions allowed; torch uses max(1, floor(X)) threads (default 1)",
+    )
 
     def run(args) -> int:
-        from .server import run_cli
-
+        check_serve_options(args)
+        if uses_ray(args):
+            from .replicas import run_cli
+        else:
+            from .server import run_cli
         return run_cli(args)
 
     p.set_defaults(run=run)
+
+
+def uses_ray(args) -> bool:
+    return args.replicas > 1 or args.ray_address is not None
+
+
+def check_serve_options(args) -> None:
+    """`batchspec serve` options that need no model: replicas, Ray, CPUs."""
+    if args.replicas < 1:
+        raise BatchspecError(f"--replicas must be >= 1, got {args.replicas}")
+    if not args.replica_cpus > 0:
+        raise BatchspecError(f"--replica-cpus must be > 0, got {args.replica_cpus}")
+    if uses_ray(args) and args.tp > 1:
+        raise BatchspecError("--tp with --replicas or --ray-address is not supported; use one or the other")
+    if uses_ray(args) and importlib.util.find_spec("ray") is None:
+        raise BatchspecError("--replicas and --ray-address need Ray Serve: pip install 'batchspec[ray]'")
 
 
 def _comparison(sub, name: str, help: str, methods: str, run) -> argparse.ArgumentParser:
@@ -321,6 +367,8 @@ def write_json(path: str, data: dict) -> None:
 def start_ranks(args, argv: list[str]) -> None:
     """--tp N: check the target can be split, then become one of N ranks (tp.py). Rank 0 prints
     and writes files; the others run the same loop silently."""
+    if args.command == "serve":
+        check_serve_options(args)
     pair = args.pair if args.target is None else None
     tp.check(target_config(pair, args.target), args.tp)
     tp.launch(args.tp, argv)
