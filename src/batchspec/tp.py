@@ -82,7 +82,9 @@ def launch(n: int, argv: list[str]) -> None:
 
 def init(device: str | None) -> str:
     """Join the process group (gloo on CPU; NCCL for CUDA tensors, gloo for objects) and return
-    this rank's device."""
+    this rank's device. Outside a launcher: nothing to join."""
+    if LAUNCHER_ENV not in os.environ:
+        return device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
