@@ -364,14 +364,17 @@ def write_json(path: str, data: dict) -> None:
         f.write("\n")
 
 
-def start_ranks(args, argv: list[str]) -> None:
-    """--tp N: check the target can be split, then become one of N ranks (tp.py). Rank 0 prints
-    and writes files; the others run the same loop silently."""
+def start_ranks(args, argv: list[str]) -> int | None:
+    """--tp N: check the target can be split, then start N ranks (tp.py) and return their exit
+    status; or, in a rank, join the group and return None. Rank 0 prints and writes files; the
+    others run the same loop silently."""
     if args.command == "serve":
         check_serve_options(args)
     pair = args.pair if args.target is None else None
     tp.check(target_config(pair, args.target), args.tp)
-    tp.launch(args.tp, argv)
+    status = tp.launch(args.tp, argv)
+    if status is not None:
+        return status
     args.device = tp.init(args.device)
     if not tp.is_leader():
         sys.stdout = open(os.devnull, "w")  # for the life of the process
@@ -384,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
-        if args.tp != 1:
-            start_ranks(args, argv)
+        if args.tp != 1 and (status := start_ranks(args, argv)) is not None:
+            return status
         if args.command == "generate":
             return cmd_generate(args)
         return args.run(args)

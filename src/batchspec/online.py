@@ -152,16 +152,25 @@ class OnlineEngine:
         return stopping and not self.loop.busy
 
     def _take_inbox(self, block: bool) -> None:
+        for request in self._drain(block):
+            self._register(request)
+
+    def _drain(self, block: bool) -> list[Request]:
+        """The requests in the inbox (waiting up to 50 ms for a first one when `block`)."""
+        taken = []
         try:
             while True:
-                request = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+                taken.append(self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait())
                 block = False
-                request.output = TextOutput(self.decode, request.seq.params.stop)
-                self.requests[id(request.seq)] = request
-                self.counters.prompt_tokens += request.seq.prompt_len
-                self.loop.add(request.seq)
         except queue.Empty:
-            pass
+            return taken
+
+    def _register(self, request: Request) -> None:
+        """Take a request into the loop (engine thread)."""
+        request.output = TextOutput(self.decode, request.seq.params.stop)
+        self.requests[id(request.seq)] = request
+        self.counters.prompt_tokens += request.seq.prompt_len
+        self.loop.add(request.seq)
 
     def _observe(self, seqs: list[Sequence]) -> None:
         """Output processor: each request's new tokens -> text chunk; stop strings finish rows.

@@ -289,7 +289,17 @@ def run_cli(args) -> int:
     """Load the pair, build the engine, serve until SIGTERM/SIGINT; exit status 0."""
     import uvicorn
 
+    from . import tp
+
     service = build_service(args)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the handler
+    # that was there before it: make that a no-op, so a graceful stop exits with status 0. (A
+    # tensor-parallel follower ignores them too: it stops when rank 0 does.)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    if not tp.is_leader():
+        service.engine.follow()
+        return 0
     app = create_app(service)
     print(
         f"batchspec: serving {service.model_name!r} on http://{args.host}:{args.port} "
@@ -298,10 +308,6 @@ def run_cli(args) -> int:
         flush=True,
     )
     started = time.monotonic()
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the handler
-    # that was there before it: make that a no-op, so a graceful stop exits with status 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
     uvicorn.run(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=args.graceful_timeout
     )
@@ -311,6 +317,7 @@ def run_cli(args) -> int:
 
 def build_service(args) -> Service:
     """The pair, the proposer and the online engine from `batchspec serve`'s options."""
+    from . import tp
     from .cli import load_models
     from .engine import SpecDecoder
     from .step import Context
@@ -344,6 +351,9 @@ def build_service(args) -> Service:
         with lock:
             return pair.decode(ids)
 
-    engine = OnlineEngine(ctx, config.batch_size, budget, decode, args.max_queue, args.prefill_chunk)
+    engine_class = OnlineEngine
+    if tp.active():  # every rank runs the loop; rank 0 leads (tp_online.py)
+        from .tp_online import LockstepEngine as engine_class
+    engine = engine_class(ctx, config.batch_size, budget, decode, args.max_queue, args.prefill_chunk)
     name = args.served_model_name or pair.name
     return Service(engine, pair, name, lock)

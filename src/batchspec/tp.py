@@ -11,7 +11,7 @@ follow. Ranks stay in lockstep because nothing the loop decides depends on the r
 - the server's requests, cancellations and shutdown: rank 0 broadcasts them each iteration
   (tp_online.py).
 
-Launch: `batchspec ... --tp N` re-executes itself under torch's elastic launcher
+Launch: `batchspec ... --tp N` starts itself again under torch's elastic launcher
 (`python -m torch.distributed.run --standalone --nproc-per-node N`) unless it already runs under
 one (torchrun sets WORLD_SIZE); across nodes, start it with torchrun yourself. CPU ranks talk over
 gloo, CUDA ranks over NCCL (objects over gloo).
@@ -23,6 +23,8 @@ model's `distributed_config`); the draft's caches are whole.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 
 import torch
@@ -65,19 +67,29 @@ def check(config, n: int) -> None:
         )
 
 
-def launch(n: int, argv: list[str]) -> None:
-    """Unless already under a launcher, re-execute `batchspec argv` as n ranks of
-    torch.distributed.run on this machine (does not return). Under one, check its world size."""
+def launch(n: int, argv: list[str]) -> int | None:
+    """Under a launcher: check its world size and return None (this process is a rank). Else
+    run `batchspec argv` as n ranks of torch.distributed.run on this machine and return its exit
+    status. SIGTERM and SIGINT go to the ranks themselves, not to the launcher's agent (which
+    would kill them and exit 1): a server then stops gracefully and the launcher exits 0."""
     if LAUNCHER_ENV in os.environ:
         world = int(os.environ[LAUNCHER_ENV])
         if world != n:
             raise BatchspecError(f"--tp {n} but the launcher started {world} processes (--nproc-per-node)")
-        return
+        return None
+    import psutil
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, [*cmd, "-m", "batchspec.cli", *argv])
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))}
+    agent = subprocess.Popen([*cmd, "-m", "batchspec.cli", *argv], env=env)
+
+    def forward(sig, frame):
+        for child in psutil.Process(agent.pid).children():
+            child.send_signal(sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    return agent.wait()
 
 
 def init(device: str | None) -> str:
