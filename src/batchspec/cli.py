@@ -152,7 +152,13 @@ def _serve_parser(sub) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--max-queue", type=int, default=256, help="requests waiting for a row before 429 (default 256)")
+    g.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests waiting for a row before 429 (default 256); with --replicas: requests Ray Serve queues "
+        "before 503",
+    )
     g.add_argument("--served-model-name", help="the model name clients use (default: the pair's name)")
     g.add_argument(
         "--graceful-timeout",

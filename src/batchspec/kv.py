@@ -16,7 +16,8 @@ Which columns are real and which are padding is not the cache's business: the ca
 batch, a per-sequence store, the ragged batch) keeps that. `SeqKV` is one sequence's share: a
 list over layers of (keys, values) [1, H_kv, n, D] holding its n real entries, oldest first.
 
-Only full-attention models are supported (`models.check_supported` refuses the rest).
+Only full-attention models are supported (`models.check_supported` refuses the rest). H_kv is the
+heads this process holds: under tensor parallelism (tp.py) a rank holds its share (`kv_heads`).
 """
 
 from __future__ import annotations
