@@ -18,7 +18,7 @@ from test_server import Server
 
 from batchspec import cli
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")
 HEADER = "x-batchspec-replica"
 
 
@@ -66,6 +66,7 @@ def _metrics(srv) -> tuple[str, dict[str, float]]:
     }
 
 
+@needs_ray
 def test_a_dropped_stream_leaves_no_running_row(replicas):
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8000, "temperature": 0, "stream": True}
     with httpx.stream("POST", replicas.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=30) as r:
@@ -83,6 +84,7 @@ def test_a_dropped_stream_leaves_no_running_row(replicas):
     assert seen['batchspec_requests_total{outcome="abort"}'] >= 1 and seen["batchspec_kv_slots_used"] == 0
 
 
+@needs_ray
 def test_both_replicas_answer_and_a_killed_one_is_replaced(replicas, tiny64):
     assert len(_run(replicas, tiny64, 90, 15)) == 2  # both replicas answered
     victim = _health(replicas)
@@ -103,6 +105,7 @@ def test_replicas_without_ray_name_the_extra(monkeypatch, capsys):
     assert "pip install 'batchspec[ray]'" in capsys.readouterr().err
 
 
+@needs_ray
 def test_serve_config_builder_sets_serve_options():
     from batchspec.replicas import app
 
@@ -110,3 +113,20 @@ def test_serve_config_builder_sets_serve_options():
     deployment = deployment._bound_deployment
     assert (deployment.num_replicas, deployment.max_ongoing_requests, deployment.max_queued_requests) == (3, 6, 9)
     assert deployment.ray_actor_options["num_cpus"] == 0.5
+
+
+def test_health_names_the_replica_and_fails_on_a_stalled_or_dead_engine(monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from batchspec import server
+
+    service = server.build_service(cli.build_parser().parse_args(["serve", "--pair", "tiny"]))
+    with TestClient(server.create_app(service, replica="r7")) as client:
+        up = client.get("/health")
+        assert (up.status_code, up.headers[HEADER], up.json()["replica"]) == (200, "r7", "r7")
+        assert client.get("/v1/models").headers[HEADER] == "r7"
+        monkeypatch.setattr(server, "STALL_S", -1.0)  # any wait counts as a stall
+        stalled = client.get("/health")
+        assert stalled.status_code == 503 and "has not iterated" in stalled.json()["error"]
+    service.engine.shutdown()
+    assert "not running" in service.engine.fault(server.STALL_S)
