@@ -101,7 +101,7 @@ def run_cli(args: argparse.Namespace) -> int:
         serve.run(deployment(args), name=APP_NAME, route_prefix="/")
         print(
             f"batchspec: serving on http://{args.host}:{args.port} with {args.replicas} replicas "
-            f"(Ray Serve; {args.batch_size} rows and {args.replica_cpus:g} CPUs each)",
+            f"(Ray Serve; {args.batch_size} rows and num_cpus {args.replica_cpus:g} each)",
             file=sys.stderr,
             flush=True,
         )
