@@ -24,7 +24,8 @@ HEADER = "x-batchspec-replica"
 
 @pytest.fixture(scope="module")
 def replicas():
-    srv = Server("--replicas", "2", "--batch-size", "4", "-k", "3", ready="batchspec: serving on", ready_s=180)
+    options = ("--replicas", "2", "--batch-size", "4", "-k", "3", "--max-queue", "8")
+    srv = Server(*options, ready="batchspec: serving on", ready_s=180)
     yield srv
     assert srv.stop() == 0, srv.output()[-4000:]
 
@@ -82,6 +83,17 @@ def test_a_dropped_stream_leaves_no_running_row(replicas):
         time.sleep(0.1)
     assert seen is not None and seen["batchspec_running_rows"] == 0, replicas.output()[-4000:]
     assert seen['batchspec_requests_total{outcome="abort"}'] >= 1 and seen["batchspec_kv_slots_used"] == 0
+
+
+@needs_ray
+def test_past_the_queue_bound_requests_are_refused_at_once(replicas):
+    """A burst of 48 requests on 2 x 4 rows: Serve holds --max-queue (8) of those it cannot place
+    and answers the rest 503 at once; everything it took is answered."""
+    url = replicas.url + "/v1/completions"
+    body = {"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 100, "ignore_eos": True}
+    with ThreadPoolExecutor(48) as pool:
+        codes = list(pool.map(lambda _: httpx.post(url, json=body, timeout=60).status_code, range(48)))
+    assert codes.count(503) >= 1 and codes.count(200) >= 16 and set(codes) <= {200, 429, 503}, codes
 
 
 @needs_ray
