@@ -84,8 +84,11 @@ def launch(n: int, argv: list[str]) -> int | None:
     agent = subprocess.Popen([*cmd, "-m", "batchspec.cli", *argv], env=env)
 
     def forward(sig, frame):
-        for child in psutil.Process(agent.pid).children():
-            child.send_signal(sig)
+        try:
+            for child in psutil.Process(agent.pid).children():
+                child.send_signal(sig)
+        except psutil.Error:  # the launcher or a rank has exited already
+            pass
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
@@ -103,7 +106,6 @@ def init(device: str | None) -> str:
         torch.cuda.set_device(local)
     if not dist.is_initialized():
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if cuda else "gloo")
-    torch.manual_seed(agree(int(torch.randint(2**62, ()))) if rank() == 0 else agree(None))
     return f"cuda:{local}" if cuda else "cpu"
 
 
