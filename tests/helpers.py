@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+
+import torch
 
 from batchspec import SamplingParams, SpecDecoder
 
@@ -34,3 +37,15 @@ def decode(pair, prompts, max_new_tokens: int, **config) -> list[list[int]]:
     outs = dec.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
     assert [o.index for o in outs] == list(range(len(prompts)))
     return [o.token_ids for o in outs]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread for a while: a tiny model gains nothing from threads, and loses much on
+    a busy machine (each tensor-parallel rank and each replica runs on one thread too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -30,7 +30,9 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, *options: str):
+    def __init__(self, *options: str, ready: str | None = None, ready_s: float = 60):
+        """Start `batchspec serve` with `options`; up once /health answers (and, if `ready` is
+        given, once the log holds it)."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -52,16 +54,18 @@ class Server:
         # The server's output goes to a file: a pipe nobody reads would block it once full.
         self.log = tempfile.NamedTemporaryFile("w+", prefix="batchspec-serve-", suffix=".log")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + ready_s
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.output()
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                up = httpx.get(self.url + "/health", timeout=1).status_code == 200
+                if up and (ready is None or ready in self.output()):
                     break
             except httpx.HTTPError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)
         else:
-            raise TimeoutError("the server did not come up in 60 s")
+            raise TimeoutError(f"the server did not come up in {ready_s:.0f} s:\n{self.output()[-4000:]}")
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
         self.aclient = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import batchspec.speculation as speculation
 from batchspec import SamplingParams, SpecDecoder
-from batchspec.costmodel import LinearCost, features
+from batchspec.costmodel import StepCost, features
 from batchspec.proposer import NgramProposer, Proposal
 from batchspec.speculation import Adaptive, Speculation
 
@@ -86,10 +86,10 @@ def test_any_choice_of_k_per_step_samples_like_reference(tiny64, method):
         assert got == ref
 
 
-def _costs(per_token: float, fixed: float = 0.01) -> LinearCost:
-    """A cost model that has measured t = fixed + per_token x (B q)."""
-    points = [(b, q, 100) for b in (1, 8) for q in (1, 7)]
-    return LinearCost([(features(b, q, s), fixed + per_token * b * q) for b, q, s in points])
+def _costs(per_token: float, fixed: float = 0.01) -> StepCost:
+    """A cost model that has measured t = fixed + per_token x (B q) at every width."""
+    points = [(b, q, s) for b in (1, 8) for q in range(1, 8) for s in (100, 1000)]
+    return StepCost([(b, q, s, fixed + per_token * b * q) for b, q, s in points])
 
 
 class _Spy(NgramProposer):
@@ -107,6 +107,8 @@ def _adaptive(pair, proposer, step_cost, prop_cost=None) -> Adaptive:
     Adaptive.__init__(policy, pair.target, proposer, 4)
     policy.step_cost = step_cost
     policy.prop_cost = prop_cost if prop_cost is not None else _costs(0.0, 1e-5)
+    for cost in (policy.step_cost, policy.prop_cost):  # keep the given costs, not the tiny model's
+        cost.observe = lambda *args: None
     return policy
 
 
@@ -136,7 +138,7 @@ def test_wide_steps_when_verification_is_nearly_free(tiny_same):
     assert max(hist) == speculation.AUTO_K_MAX and hist[speculation.AUTO_K_MAX] > sum(hist.values()) / 2
     assert dec.speculation.any_bin[0] > 0.9  # every draft accepted: learned (prior 0.5)
     report = dec.stats.summary()["speculation"]
-    assert set(report["step_cost"]) == {"fixed_ms", "per_token_ms", "per_token_per_1k_span_ms"}
+    assert set(report["step_cost"]["1"]) == {"fixed_ms", "per_row_ms", "per_row_per_1k_span_ms"}
     assert report["acceptance_any_bin"][0] > 0.9
 
 
@@ -159,12 +161,14 @@ def test_choice_follows_the_acceptance_estimates(tiny64):
     assert policy.choose(Batch, unlikely, started=time.perf_counter()) == 0
 
 
-def test_cost_fit_recovers_a_linear_cost():
-    true = (0.02, 0.001, 0.0005)
-    points = [(b, q, s) for b in (1, 4, 16) for q in (1, 3, 7) for s in (10, 500, 2000)]
-    cost = LinearCost([(features(*p), sum(c * f for c, f in zip(true, features(*p)))) for p in points])
-    for p in [(2, 2, 100), (8, 5, 1500)]:
-        assert cost(*p) == pytest.approx(sum(c * f for c, f in zip(true, features(*p))), rel=1e-6)
+def test_cost_fit_recovers_each_widths_cost():
+    true = {q: (0.02 * q, 0.001 * q**0.5, 0.0005 * q) for q in (1, 2, 5)}  # widths need not be smooth
+    cost = lambda b, q, s: sum(c * f for c, f in zip(true[q], features(b, s)))  # noqa: E731
+    model = StepCost([(b, q, s, cost(b, q, s)) for q in true for b in (1, 4, 16) for s in (10, 500, 2000)])
+    for b, q, s in [(2, 2, 100), (8, 5, 1500), (3, 1, 700)]:
+        assert model(b, q, s) == pytest.approx(cost(b, q, s), rel=1e-6)
     for _ in range(16):  # the machine slows down 2x: recent steps outweigh the probes
-        cost.observe(8, 1, 500, 2 * sum(c * f for c, f in zip(true, features(8, 1, 500))))
-    assert cost(8, 1, 500) > 1.5 * sum(c * f for c, f in zip(true, features(8, 1, 500)))
+        model.observe(8, 1, 500, 2 * cost(8, 1, 500))
+    assert model(8, 1, 500) > 1.5 * cost(8, 1, 500)
+    assert model(8, 2, 500) == pytest.approx(cost(8, 2, 500), rel=1e-6)  # other widths untouched
+    assert set(model.describe()) == {"1", "2", "5"}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from . import kv
+from . import kv, tp
 from .batch import PaddedBatch
 from .sequence import Sequence, Status
 from .static import length_buckets
@@ -79,7 +79,8 @@ class Admission:
     def admit(self, batch) -> list[Sequence]:
         """One iteration's prefill work for `batch` (a RaggedBatch). Returns the sequences that
         finished at their first token (they never enter the batch)."""
-        limit = self.chunk if len(batch) else None  # None: nothing running, nothing to stall
+        # None: nothing running, nothing to stall. A measured chunk is rank 0's on every rank (tp.py).
+        limit = (self.chunk if self.fixed_chunk is not None else tp.agree(self.chunk)) if len(batch) else None
         spent, finished = 0, []
         if self.partial is not None:
             spent, finished = self._feed(batch, limit)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 
-from . import bench, equivalence, methods
+from . import bench, equivalence, methods, tp
 from .config import PROPOSERS, EngineConfig, SamplingParams
 from .engine import SpecDecoder
 from .errors import BatchspecError
-from .models import DTYPES, PAIRS, load_pair
+from .models import DTYPES, PAIRS, load_pair, target_config
 from .prompts import Prompt, read_prompts
 from .speculation import AUTO_K_MAX
 
@@ -38,6 +39,14 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         "--dtype", choices=list(DTYPES), default="float32", help="float32 (default: exact) or bfloat16 (fast)"
     )
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the target over N processes with transformers' tensor-parallel plan (started with "
+        "torch.distributed.run unless already under torchrun; docs/scale-out.md)",
+    )
 
 
 def _prompt_options(p: argparse.ArgumentParser) -> None:
@@ -119,8 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve_parser(sub) -> None:
-    """`batchspec serve`: the OpenAI-compatible server (server.py); methods that admit rows only."""
-    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API with continuous batching")
+    """`batchspec serve`: the OpenAI-compatible server (server.py); methods that admit rows only;
+    replicas on Ray Serve (replicas.py)."""
+    p = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API with continuous batching",
+        description="Serve an OpenAI-compatible HTTP API with continuous batching: one process, N replicas "
+        "behind Ray Serve (--replicas, --ray-address), or a target sharded over N processes (--tp). "
+        "See docs/scale-out.md.",
+    )
     _model_options(p)
     g = p.add_argument_group("decoding")
     served = [m.name for m in methods.METHODS.values() if m.serves]
@@ -144,7 +160,13 @@ def _serve_parser(sub) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--max-queue", type=int, default=256, help="requests waiting for a row before 429 (default 256)")
+    g.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests waiting for a row before 429 (default 256); with --replicas: requests Ray Serve queues "
+        "before 503",
+    )
     g.add_argument("--served-model-name", help="the model name clients use (default: the pair's name)")
     g.add_argument(
         "--graceful-timeout",
@@ -152,13 +174,52 @@ def _serve_parser(sub) -> None:
         default=30.0,
         help="on SIGTERM, seconds running requests may take to finish before they are cancelled",
     )
+    g = p.add_argument_group("replicas (Ray Serve; pip install 'batchspec[ray]')")
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N copies of the server behind Ray Serve's router, health checks and restarts (default 1: no Ray)",
+    )
+    g.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="an existing Ray cluster (e.g. auto, ray://head:10001); default: a local Ray instance",
+    )
+    g.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="CPUs Ray grants each replica, fractions allowed; torch uses max(1, floor(X)) threads (default 1)",
+    )
 
     def run(args) -> int:
-        from .server import run_cli
-
+        check_serve_options(args)
+        if uses_ray(args):
+            from .replicas import run_cli
+        else:
+            from .server import run_cli
         return run_cli(args)
 
     p.set_defaults(run=run)
+
+
+def uses_ray(args) -> bool:
+    return args.replicas > 1 or args.ray_address is not None
+
+
+def check_serve_options(args) -> None:
+    """`batchspec serve` options that need no model: replicas, Ray, CPUs."""
+    if args.replicas < 1:
+        raise BatchspecError(f"--replicas must be >= 1, got {args.replicas}")
+    if not args.replica_cpus > 0:
+        raise BatchspecError(f"--replica-cpus must be > 0, got {args.replica_cpus}")
+    if uses_ray(args) and args.tp > 1:
+        raise BatchspecError("--tp with --replicas or --ray-address is not supported; use one or the other")
+    if uses_ray(args) and importlib.util.find_spec("ray") is None:
+        raise BatchspecError("--replicas and --ray-address need Ray Serve: pip install 'batchspec[ray]'")
 
 
 def _comparison(sub, name: str, help: str, methods: str, run) -> argparse.ArgumentParser:
@@ -228,7 +289,9 @@ def engine_config(args, method: str, batch_size: int, progress: bool) -> EngineC
 
 def load_models(args):
     pair = args.pair if args.target is None else None
-    return load_pair(pair=pair, target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+    return load_pair(
+        pair=pair, target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, tp_size=args.tp
+    )
 
 
 def cmd_generate(args) -> int:
@@ -338,15 +401,39 @@ def write_json(path: str, data: dict) -> None:
         f.write("\n")
 
 
+def start_ranks(args, argv: list[str]) -> int | None:
+    """--tp N: check the target can be split, then start N ranks (tp.py) and return their exit
+    status; or, in a rank, join the group and return None. Rank 0 prints and writes files; the
+    others run the same loop silently."""
+    if args.command == "serve":
+        check_serve_options(args)
+    pair = args.pair if args.target is None else None
+    tp.check(target_config(pair, args.target), args.tp)
+    status = tp.launch(args.tp, argv)
+    if status is not None:
+        return status
+    args.device = tp.init(args.device)
+    if not tp.is_leader():
+        sys.stdout = open(os.devnull, "w")  # for the life of the process
+        args.quiet, args.json = True, None
+        if hasattr(args, "plot"):
+            args.plot = None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
+        if args.tp != 1 and (status := start_ranks(args, argv)) is not None:
+            return status
         if args.command == "generate":
             return cmd_generate(args)
         return args.run(args)
     except BatchspecError as err:
         print(f"batchspec: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        tp.finish()
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """Step costs measured on the machine in use, for adaptive speculation (speculation.py).
 
-A forward of q new tokens for each of B rows, attending over a span of S cached positions, costs
+A forward of q new tokens for each of B rows, attending over a span of S cached positions, costs,
+for each width q apart,
 
-    t(B, q, S) = a + b * (B q) + c * (B q S)        (seconds; a, b, c >= 0)
+    t_q(B, S) = a_q + b_q * B + c_q * (B S)        (seconds; a, b, c >= 0)
 
-a fixed part (weights read, launches, Python), a part per token (the matmuls, the LM head), and
-attention. One model each for the target's step (its verify forward plus accept, commit and
-realign: what a step costs beyond drafting) and for one proposer forward. Fitted by least squares
-on a few probe forwards taken when a decoder starts (about a second on CPU for a 135M model; kept
-per model, dtype and batch shape for the process) and on the steps actually timed; the recent
-steps weigh most, so the model follows the machine's load and the engine's real overheads.
+a fixed part (weights read, launches, Python), a part per row (the matmuls, the LM head), and
+attention. One such model for the target's step (its verify forward plus accept, commit and
+realign: what a step costs beyond drafting) and one for a proposer forward (q = 1). Fitted by
+non-negative least squares on probe forwards taken when a decoder starts (every width, a few batch
+shapes: seconds on a CPU for a 135M model; kept per model, dtype and batch shape for the process)
+and on the steps actually timed; the recent steps weigh most, so the model follows the machine's
+load and the engine's real overheads.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ PROBE_WEIGHT = 0.25
 #: S is in thousands of positions in the features, to keep the normal equations well scaled.
 _SPAN_UNIT = 1000.0
 
+Sample = tuple[int, int, int, float]  # (rows B, tokens per row q, span S, seconds)
 
-def features(rows: int, q: int, span: int) -> list[float]:
-    tokens = float(rows * q)
-    return [1.0, tokens, tokens * span / _SPAN_UNIT]
+
+def features(rows: int, span: int) -> list[float]:
+    return [1.0, float(rows), rows * span / _SPAN_UNIT]
 
 
 class LinearCost:
-    """t = coef . features(B, q, S), fitted to probes (kept) and the `recent` last observations."""
+    """t = coef . features(B, S) >= 0, fitted to probes (kept, down-weighted) and the `recent` last
+    observations."""
 
     def __init__(self, probes: list[tuple[list[float], float]], recent: int = 200):
         self.probes = list(probes)
@@ -43,18 +47,17 @@ class LinearCost:
         self._stale = 0
         self._fit()
 
-    def __call__(self, rows: int, q: int, span: int) -> float:
-        x = features(rows, q, span)
-        return sum(c * v for c, v in zip(self.coef, x))
+    def __call__(self, rows: int, span: int) -> float:
+        return sum(c * v for c, v in zip(self.coef, features(rows, span)))
 
-    def observe(self, rows: int, q: int, span: int, seconds: float) -> None:
-        self.seen.append((features(rows, q, span), seconds))
+    def observe(self, rows: int, span: int, seconds: float) -> None:
+        self.seen.append((features(rows, span), seconds))
         self._stale += 1
-        if self._stale >= 8:
+        if self._stale >= 8 or len(self.seen) < 8:
             self._fit()
 
     def _fit(self) -> None:
-        """Non-negative least squares over 3 coefficients, by trying every active set."""
+        """Non-negative weighted least squares over 3 coefficients, by trying every active set."""
         self._stale = 0
         data = self.probes + list(self.seen)
         if not data:
@@ -75,6 +78,37 @@ class LinearCost:
             if err < best_err:
                 best, best_err = coef, err
         self.coef = best
+
+
+class StepCost:
+    """Seconds of a forward of q tokens per row: one `LinearCost` in (B, B x S) per width q.
+
+    Widths are modelled apart because their costs are not smooth in q: on the CPU measured here a
+    verify of 2-4 tokens per row over a long span can cost more than one of 5 (kernel choices), and
+    the step from 1 to 2 tokens costs more than any later one (docs/benchmarks.md)."""
+
+    def __init__(self, probes: list[Sample]):
+        by_width: dict[int, list] = {}
+        for rows, q, span, seconds in probes:
+            by_width.setdefault(q, []).append((features(rows, span), seconds))
+        self.widths = {q: LinearCost(points) for q, points in sorted(by_width.items())}
+
+    def __call__(self, rows: int, q: int, span: int) -> float:
+        return self._width(q)(rows, span)
+
+    def observe(self, rows: int, q: int, span: int, seconds: float) -> None:
+        self._width(q).observe(rows, span, seconds)
+
+    def _width(self, q: int) -> LinearCost:
+        if q not in self.widths:  # an unprobed width starts from the nearest probed one
+            near = min(self.widths, key=lambda w: abs(w - q)) if self.widths else None
+            self.widths[q] = LinearCost(list(self.widths[near].probes) if near is not None else [])
+        return self.widths[q]
+
+    def describe(self) -> dict:
+        """{q: {fixed_ms, per_row_ms, per_row_per_1k_span_ms}}, JSON-ready."""
+        names = ("fixed_ms", "per_row_ms", "per_row_per_1k_span_ms")
+        return {str(q): {n: round(1e3 * c, 3) for n, c in zip(names, m.coef)} for q, m in self.widths.items()}
 
 
 @torch.inference_mode()
@@ -105,12 +139,15 @@ def sync(device) -> None:
 _PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def probe(model, rows: int, q_max: int, spans: tuple[int, ...] = (64, 512)) -> list[tuple[list[float], float]]:
-    """Timed forwards at 1 and `rows` rows, 1 and `q_max` tokens, over short and long spans
-    (cached per model and shape for the process)."""
+def probe(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768)) -> list[Sample]:
+    """Timed forwards at every width 1..q_max: one row over a mid span, `rows` rows over a short
+    and a long span (cached per model and shape for the process)."""
     key = (rows, q_max, spans, next(model.parameters()).dtype)
     per_model = _PROBES.setdefault(model, {})
     if key not in per_model:
-        points = [(b, q, s) for b in sorted({1, rows}) for q in sorted({1, q_max}) for s in spans]
-        per_model[key] = [(features(b, q, s), time_forward(model, b, q, s)) for b, q, s in points]
+        mid = sum(spans) // 2
+        points = [
+            (b, q, s) for q in range(1, q_max + 1) for b, s in sorted({(1, mid), (rows, spans[0]), (rows, spans[1])})
+        ]
+        per_model[key] = [(b, q, s, time_forward(model, b, q, s)) for b, q, s in points]
     return per_model[key]

@@ -11,7 +11,7 @@ from functools import partial
 import torch
 from tqdm.auto import tqdm
 
-from . import methods
+from . import methods, tp
 from .config import EngineConfig, SamplingParams
 from .detok import StopStrings
 from .errors import BatchspecError
@@ -114,6 +114,7 @@ class SpecDecoder:
         """Run the configured method over prepared sequences (in place), each with its own
         SamplingParams; `observe` is the output processor (step.Context). Returns the stats."""
         cfg = self.config
+        tp.sync_seeds(seqs)  # tensor-parallel ranks sample alike (no-op in one process)
         self.stats = Stats(device=str(self.pair.device))
         bar = tqdm(total=len(seqs), desc=cfg.method, unit="seq", disable=not cfg.progress, leave=False)
         ctx = Context(

@@ -16,7 +16,8 @@ Which columns are real and which are padding is not the cache's business: the ca
 batch, a per-sequence store, the ragged batch) keeps that. `SeqKV` is one sequence's share: a
 list over layers of (keys, values) [1, H_kv, n, D] holding its n real entries, oldest first.
 
-Only full-attention models are supported (`models.check_supported` refuses the rest).
+Only full-attention models are supported (`models.check_supported` refuses the rest). H_kv is the
+heads this process holds: under tensor parallelism (tp.py) a rank holds its share (`kv_heads`).
 """
 
 from __future__ import annotations
@@ -95,6 +96,14 @@ def unsupported_layers(config) -> set[str]:
     """Names of the cache layer types this config needs that are not plain full attention
     (sliding windows, recurrent state); empty when the model is supported."""
     return {type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer}
+
+
+def kv_heads(config) -> int:
+    """KV heads one process holds: all of them, or its share when transformers loaded the model
+    tensor-parallel (the config then carries `distributed_config.tp_size`)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    tp_size = getattr(getattr(config, "distributed_config", None), "tp_size", None) or 1
+    return heads // tp_size
 
 
 def count(layers: SeqKV) -> int:
@@ -239,7 +248,7 @@ class SlotCache(Cache):
     sets the write index [n, q] and the span attended."""
 
     def __init__(self, config, dtype: torch.dtype, device, capacity: int, first_slots: int = 64):
-        self.heads = config.num_key_value_heads
+        self.heads = kv_heads(config)
         self.dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.capacity, self.dtype, self.device = capacity, dtype, device
         layers = [

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from . import kv
+from . import kv, tp
 from .errors import BatchspecError
 from .tiny import byte_tokenizer, tiny_config, tiny_models
 
@@ -96,9 +96,11 @@ def load_pair(
     draft: str | None = None,
     dtype: str = "float32",
     device: str | None = None,
+    tp_size: int = 1,
 ) -> ModelPair:
     """Load a built-in pair by name, or a target (and optional draft) from a directory, a .gguf
-    file or a hub id. Without a draft the pair uses the n-gram proposer."""
+    file or a hub id. Without a draft the pair uses the n-gram proposer. `tp_size` > 1: this
+    process is one rank of a tensor-parallel group (tp.py); the target is sharded, the draft whole."""
     if dtype not in DTYPES:
         raise BatchspecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
@@ -107,14 +109,18 @@ def load_pair(
         raise BatchspecError("give either --pair or --target/--draft, not both")
     if pair is None and target is None:
         pair = "default"
+    if pair is not None and pair not in PAIRS:
+        raise BatchspecError(f"unknown pair {pair!r}; built-in pairs are {', '.join(PAIRS)}")
+    if tp_size > 1:
+        tp.check(target_config(pair, target), tp_size)
     if pair == "tiny":
         result = tiny_pair(dtype=torch_dtype)
+        if tp_size > 1:
+            result.target = tp.shard(result.target, tp_size)
     elif pair == "default":
-        result = default_pair(torch_dtype)
-    elif pair is not None:
-        raise BatchspecError(f"unknown pair {pair!r}; built-in pairs are {', '.join(PAIRS)}")
+        result = default_pair(torch_dtype, tp_size)
     else:
-        result = _load_spec_pair(target, draft, torch_dtype)
+        result = _load_spec_pair(target, draft, torch_dtype, tp_size)
     result.target.to(device)
     if result.draft is not None:
         result.draft.to(device)
@@ -161,12 +167,28 @@ def smollm2_path() -> str:
     return path
 
 
-def default_pair(dtype: torch.dtype) -> ModelPair:
+def target_config(pair: str | None, target: str | None):
+    """The target's config without loading its weights (to check options before a launch)."""
+    from transformers import AutoConfig
+
+    if pair == "tiny":
+        return tiny_config()
+    spec = smollm2_path() if pair == "default" or target is None else target
+    if spec.endswith(".gguf"):
+        folder, name = os.path.split(os.path.abspath(spec))
+        return AutoConfig.from_pretrained(folder, gguf_file=name)
+    try:
+        return AutoConfig.from_pretrained(spec, local_files_only=not os.path.isdir(spec) and not hub_reachable())
+    except OSError as err:
+        raise BatchspecError(f"could not read the config of {spec!r}: {str(err).splitlines()[0]}") from None
+
+
+def default_pair(dtype: torch.dtype, tp_size: int = 1) -> ModelPair:
     """Built-in `default` pair: SmolLM2-135M-Instruct (GGUF, offline) and the distilled draft
     shipped in the package (draft.py: 2 layers over the target's embedding, 8192-token head)."""
     from .draft import load_default_draft
 
-    target, tokenizer = _load_gguf(smollm2_path(), dtype)
+    target, tokenizer = _load_gguf(smollm2_path(), dtype, tp_size)
     pair = _make_pair("default", target, load_default_draft(target, dtype), tokenizer)
     pair.draft_vocab_ids = pair.draft.vocab_ids
     # Measured on Spec-Bench (README, "The default pair"): prompt lookup beats the shipped draft on
@@ -175,8 +197,8 @@ def default_pair(dtype: torch.dtype) -> ModelPair:
     return pair
 
 
-def _load_spec_pair(target: str, draft: str | None, dtype: torch.dtype) -> ModelPair:
-    target_model, tokenizer = load_model(target, dtype)
+def _load_spec_pair(target: str, draft: str | None, dtype: torch.dtype, tp_size: int = 1) -> ModelPair:
+    target_model, tokenizer = load_model(target, dtype, tp_size)
     draft_model = None
     if draft is not None:
         draft_model, draft_tokenizer = load_model(draft, dtype)
@@ -205,23 +227,25 @@ def _make_pair(name, target, draft, tokenizer) -> ModelPair:
     )
 
 
-def load_model(spec: str, dtype: torch.dtype):
-    """(model, tokenizer) from a local directory, a .gguf file, or a hub id."""
+def load_model(spec: str, dtype: torch.dtype, tp_size: int = 1):
+    """(model, tokenizer) from a local directory, a .gguf file, or a hub id; the model sharded
+    over `tp_size` ranks when > 1."""
+    parallel = tp.from_pretrained_options(tp_size)
     if spec.endswith(".gguf"):
         if not os.path.isfile(spec):
             raise BatchspecError(f"GGUF file not found: {spec}")
-        return _load_gguf(spec, dtype)
+        return _load_gguf(spec, dtype, tp_size)
     if os.path.isdir(spec):
-        return _from_pretrained(spec, dtype, {})
+        return _from_pretrained(spec, dtype, parallel)
     if os.path.exists(spec) or spec.startswith((".", "/")):
         raise BatchspecError(f"{spec} is neither a model directory nor a .gguf file")
-    return _load_hub(spec, dtype)
+    return _load_hub(spec, dtype, parallel)
 
 
-def _load_hub(spec: str, dtype: torch.dtype):
+def _load_hub(spec: str, dtype: torch.dtype, parallel: dict):
     """A hub id: from the local HF cache if it is there, else from the hub if it is reachable."""
     try:
-        return _from_pretrained(spec, dtype, {"local_files_only": True})
+        return _from_pretrained(spec, dtype, {"local_files_only": True, **parallel})
     except OSError:
         pass
     offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get(
@@ -235,7 +259,7 @@ def _load_hub(spec: str, dtype: torch.dtype):
             "the local directory instead."
         )
     try:
-        return _from_pretrained(spec, dtype, {})
+        return _from_pretrained(spec, dtype, parallel)
     except OSError as err:
         raise BatchspecError(f"could not load {spec!r} from the Hugging Face hub: {str(err).splitlines()[0]}") from None
 
@@ -250,9 +274,9 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def _load_gguf(path: str, dtype: torch.dtype):
+def _load_gguf(path: str, dtype: torch.dtype, tp_size: int = 1):
     folder, name = os.path.split(os.path.abspath(path))
-    return _from_pretrained(folder, dtype, {"gguf_file": name})
+    return _from_pretrained(folder, dtype, {"gguf_file": name, **tp.from_pretrained_options(tp_size)})
 
 
 def _from_pretrained(spec: str, dtype: torch.dtype, extra: dict):

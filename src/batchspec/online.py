@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ class OnlineEngine:
         self.queued = 0  # inbox + waiting; guarded by `lock`
         self.stopping = False
         self.counters = Counters()
+        self.beat = time.monotonic()  # when the engine thread last began an iteration
         self.thread = threading.Thread(target=self._main, name="batchspec-engine", daemon=True)
 
     def _new_batch(self) -> RaggedBatch:
@@ -107,6 +109,14 @@ class OnlineEngine:
         """Cancel a request (any thread); its row leaves the batch before the next step."""
         request.seq.cancelled = True
 
+    def fault(self, stall_s: float) -> str | None:
+        """Why the engine cannot serve (health checks), or None: its thread is dead, or has not
+        begun an iteration for `stall_s` seconds (an idle engine still iterates every 50 ms)."""
+        if not self.thread.is_alive():
+            return "the engine thread is not running"
+        late = time.monotonic() - self.beat
+        return f"the engine loop has not iterated for {late:.0f} s" if late > stall_s else None
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop admitting, cancel queued and running requests, and join the engine thread."""
         with self.lock:
@@ -119,6 +129,7 @@ class OnlineEngine:
         torch.set_grad_enabled(False)
         with torch.inference_mode():
             while not self._stopped():
+                self.beat = time.monotonic()
                 self._take_inbox(block=not self.loop.busy)
                 try:
                     finished = self.loop.iterate()
@@ -141,16 +152,25 @@ class OnlineEngine:
         return stopping and not self.loop.busy
 
     def _take_inbox(self, block: bool) -> None:
+        for request in self._drain(block):
+            self._register(request)
+
+    def _drain(self, block: bool) -> list[Request]:
+        """The requests in the inbox (waiting up to 50 ms for a first one when `block`)."""
+        taken = []
         try:
             while True:
-                request = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+                taken.append(self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait())
                 block = False
-                request.output = TextOutput(self.decode, request.seq.params.stop)
-                self.requests[id(request.seq)] = request
-                self.counters.prompt_tokens += request.seq.prompt_len
-                self.loop.add(request.seq)
         except queue.Empty:
-            pass
+            return taken
+
+    def _register(self, request: Request) -> None:
+        """Take a request into the loop (engine thread)."""
+        request.output = TextOutput(self.decode, request.seq.params.stop)
+        self.requests[id(request.seq)] = request
+        self.counters.prompt_tokens += request.seq.prompt_len
+        self.loop.add(request.seq)
 
     def _observe(self, seqs: list[Sequence]) -> None:
         """Output processor: each request's new tokens -> text chunk; stop strings finish rows.

@@ -1,12 +1,16 @@
 """`batchspec serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the online engine.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE when "stream"), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). A request is validated and encoded here (errors are
-400s in OpenAI's shape, naming the field and the numbers), then queued in the engine (429 at once
-when the queue is full); its chunks come back through an asyncio queue. A streaming client that
-disconnects, or a non-streaming one that goes away, has its row cancelled (freed before the next
-step). SIGTERM: uvicorn stops accepting, lets running requests finish (up to --graceful-timeout),
-then the engine cancels what is left and the process exits 0.
+GET /health (503 when the engine loop is dead or stalled), GET /metrics (Prometheus text). Behind a
+router of replicas (replicas.py) every response names its replica in an `x-batchspec-replica`
+header.
+
+A request is validated and encoded here (errors are 400s in OpenAI's shape, naming the field and
+the numbers), then queued in the engine (429 at once when the queue is full); its chunks come back
+through an asyncio queue. A streaming client that
+disconnects, or a non-streaming one that goes away (or whose handler is cancelled), has its row
+cancelled (freed before the next step). SIGTERM: uvicorn stops accepting, lets running requests
+finish (up to --graceful-timeout), then the engine cancels what is left and the process exits 0.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -34,6 +39,9 @@ from .sequence import Sequence
 
 #: KV tokens per row of the batch when --kv-budget is not given (or the model's context, if smaller).
 DEFAULT_KV_PER_ROW = 2048
+#: /health fails when the engine loop has not begun an iteration for this long (a step, or one
+#: chunk of prefill, taking longer counts as a stall).
+STALL_S = 120.0
 
 
 class Service:
@@ -89,7 +97,27 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
-def create_app(service: Service) -> FastAPI:
+class ReplicaHeader:
+    """ASGI middleware: an `x-batchspec-replica: <name>` header on every HTTP response (streams
+    included: it is added to the response start)."""
+
+    def __init__(self, app, name: str):
+        self.app, self.header = app, (b"x-batchspec-replica", name.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_named(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
+
+def create_app(service: Service, replica: str | None = None) -> FastAPI:
+    """The HTTP app over a service; `replica` names it in a header on every response."""
     registry = CollectorRegistry()
     registry.register(EngineCollector(service))
 
@@ -100,6 +128,8 @@ def create_app(service: Service) -> FastAPI:
         await asyncio.to_thread(service.engine.shutdown)
 
     app = FastAPI(title="batchspec", lifespan=lifespan)
+    if replica is not None:
+        app.add_middleware(ReplicaHeader, name=replica)
 
     @app.exception_handler(Exception)
     async def internal(request, err):  # a fault in one request fails that request only
@@ -107,7 +137,11 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        fault = service.engine.fault(STALL_S)
+        body = {"status": "ok" if fault is None else "unhealthy", "pid": os.getpid()}
+        if replica is not None:
+            body["replica"] = replica
+        return body if fault is None else JSONResponse({**body, "error": fault}, 503)
 
     @app.get("/v1/models")
     async def models():
@@ -195,20 +229,24 @@ def _extension(seq: Sequence, token_ids: list[int]) -> dict:
 
 
 async def _complete(service: Service, job, handle: EngineRequest, chunks: asyncio.Queue, rid: str, request: Request):
-    """Collect the whole output; cancel the row if the client goes away meanwhile."""
+    """Collect the whole output; cancel the row if the client goes away (or this handler is
+    cancelled, as a router does when its client goes) meanwhile."""
     text, tokens = [], []
-    while True:
-        try:
-            chunk = await asyncio.wait_for(chunks.get(), timeout=0.5)
-        except TimeoutError:
-            if await request.is_disconnected():
-                service.engine.cancel(handle)
-                return Response(status_code=499)
-            continue
-        text.append(chunk.text)
-        tokens += chunk.token_ids
-        if chunk.finish_reason is not None:
-            break
+    try:
+        while True:
+            try:
+                chunk = await asyncio.wait_for(chunks.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+                continue
+            text.append(chunk.text)
+            tokens += chunk.token_ids
+            if chunk.finish_reason is not None:
+                break
+    finally:
+        if not handle.seq.finished:
+            service.engine.cancel(handle)
     if chunk.finish_reason in ("error", "abort"):
         message = chunk.error or "the request was cancelled (the server is shutting down)"
         return JSONResponse(api.error_body(message, "server_error"), 500 if chunk.finish_reason == "error" else 503)
@@ -251,7 +289,17 @@ def run_cli(args) -> int:
     """Load the pair, build the engine, serve until SIGTERM/SIGINT; exit status 0."""
     import uvicorn
 
+    from . import tp
+
     service = build_service(args)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the handler
+    # that was there before it: make that a no-op, so a graceful stop exits with status 0. (A
+    # tensor-parallel follower ignores them too: it stops when rank 0 does.)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    if not tp.is_leader():
+        service.engine.follow()
+        return 0
     app = create_app(service)
     print(
         f"batchspec: serving {service.model_name!r} on http://{args.host}:{args.port} "
@@ -260,10 +308,6 @@ def run_cli(args) -> int:
         flush=True,
     )
     started = time.monotonic()
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the handler
-    # that was there before it: make that a no-op, so a graceful stop exits with status 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
     uvicorn.run(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=args.graceful_timeout
     )
@@ -273,6 +317,7 @@ def run_cli(args) -> int:
 
 def build_service(args) -> Service:
     """The pair, the proposer and the online engine from `batchspec serve`'s options."""
+    from . import tp
     from .cli import load_models
     from .engine import SpecDecoder, make_speculation
     from .step import Context
@@ -307,6 +352,9 @@ def build_service(args) -> Service:
         with lock:
             return pair.decode(ids)
 
-    engine = OnlineEngine(ctx, config.batch_size, budget, decode, args.max_queue, args.prefill_chunk)
+    engine_class = OnlineEngine
+    if tp.active():  # every rank runs the loop; rank 0 leads (tp_online.py)
+        from .tp_online import LockstepEngine as engine_class
+    engine = engine_class(ctx, config.batch_size, budget, decode, args.max_queue, args.prefill_chunk)
     name = args.served_model_name or pair.name
     return Service(engine, pair, name, lock)

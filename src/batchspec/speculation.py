@@ -6,9 +6,10 @@
 
     rate(q) = E(q) / (T_prop + T_step(B, q, S)),   q = 1 .. k_max + 1 (q - 1 drafts per row),
 
-where T_step is the target's step of B rows, q tokens each, over span S, and T_prop the proposer's
-time (costmodel.py: probed at start, refined from every step timed), and E(q) = sum over rows of
-1 + sum_{j <= k_b} prod_{l <= j} a_b(l), with k_b = min(q - 1, drafts row b got) and a_b(l) the
+where T_step is the target's step of B rows, q tokens each, over span S, and T_prop the
+proposer's time (costmodel.py: each width modelled apart, probed at start, refined from every step
+timed), and E(q) = sum over rows of 1 + sum_{j <= k_b} prod_{l <= j} a_b(l), with
+k_b = min(q - 1, drafts row b got) and a_b(l) the
 estimated probability that draft l is accepted once drafts 1 .. l-1 were:
 
     a_b(l) = table[bin of draft l, l] x r_b
@@ -35,13 +36,14 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .costmodel import LinearCost, probe, sync
+from .costmodel import StepCost, probe, sync
 
 #: `-k auto`: the most drafts a row verifies in one step.
 AUTO_K_MAX = 6
-#: Weight of one new observation in the acceptance table's moving averages (after the first
-#: 1 / TABLE_RATE observations of a cell, which are averaged with the prior as one more).
-TABLE_RATE = 0.05
+#: Forgetting of the acceptance counts per observation of a cell (memory of about 1 / TABLE_RATE).
+TABLE_RATE = 0.03
+#: Pseudo observations that shrink a cell towards the one before it (or the prior).
+PSEUDO = 2.0
 #: Weight of one step's observation in a row's accepted / expected ratio.
 ROW_RATE = 0.3
 
@@ -93,12 +95,13 @@ class Adaptive:
 
     def __init__(self, target, proposer, capacity: int, k_max: int = AUTO_K_MAX):
         self.k_max, self.proposer = k_max, proposer
-        self.step_cost = LinearCost(probe(target, capacity, k_max + 1))
+        self.step_cost = StepCost(probe(target, capacity, k_max + 1))
         cheap = proposer.model is None
-        self.prop_cost = LinearCost([] if cheap else probe(proposer.model, capacity, 1))
-        self.table = _prior(proposer.bins, k_max)  # [bins, k_max] conditional acceptance
-        self.seen = torch.zeros_like(self.table)  # observations per cell: a running mean at first
-        self.any_bin = torch.full((k_max,), 0.5, dtype=torch.float64)  # the same, whatever the bin
+        self.prop_cost = StepCost([] if cheap else probe(proposer.model, capacity, 1))
+        self.prior = _prior(proposer.bins)  # [bins] acceptance of a bin's first draft before any data
+        self.hits = torch.zeros(proposer.bins, k_max, dtype=torch.float64)  # decayed accepted counts
+        self.seen = torch.zeros_like(self.hits)  # decayed tested counts
+        self._estimate()
         self.ratio: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> r_b
 
     # --- before proposing -----------------------------------------------------------------
@@ -125,7 +128,7 @@ class Adaptive:
 
         def stop(i: int, bins: torch.Tensor) -> bool:
             a = self._estimates(bins.cpu(), r)  # [B, i+1]
-            nxt = (self.table[bins[:, -1].cpu(), i + 1] * r).clamp(max=0.98)  # the next draft like the last
+            nxt = (self.table[bins[:, -1].cpu(), i + 1] * r).clamp(max=0.98)  # the next draft: like the last
             p = torch.cat([a, nxt[:, None]], dim=1).cumprod(dim=1)
             spent = time.perf_counter() - started
             now = self._rates(p[:, :-1], spent, rows, span).max()
@@ -170,10 +173,10 @@ class Adaptive:
         reached = (pos[None, :] <= got[:, None]) & (pos[None, :] < offered[:, None])  # draft l+1 was tested
         passed = (pos[None, :] < got[:, None]).double()
         for b, j in reached.nonzero().tolist():
-            bin_, hit = int(bins[b, j]), float(passed[b, j])
-            self.seen[bin_, j] += 1
-            self.table[bin_, j] += max(TABLE_RATE, 1 / (1 + self.seen[bin_, j])) * (hit - self.table[bin_, j])
-            self.any_bin[j] += max(TABLE_RATE, 1 / (1 + self.seen[:, j].sum())) * (hit - self.any_bin[j])
+            bin_ = int(bins[b, j])
+            self.hits[bin_, j] = (1 - TABLE_RATE) * self.hits[bin_, j] + float(passed[b, j])
+            self.seen[bin_, j] = (1 - TABLE_RATE) * self.seen[bin_, j] + 1
+        self._estimate()
         for b, seq in enumerate(seqs):
             if int(offered[b]) > 0:
                 e = float((expected[b] * (pos < offered[b])).sum())
@@ -182,12 +185,11 @@ class Adaptive:
                 self.ratio[seq] = min(2.0, max(0.25, r_b + ROW_RATE * (ratio - r_b)))
 
     def describe(self) -> dict:
-        """What the policy measured and learned (JSON-ready): the fitted costs in ms, t = fixed +
-        per_token x (B q) + per_token_per_1k_span x (B q S / 1000), and acceptance by bin."""
-        names = ("fixed_ms", "per_token_ms", "per_token_per_1k_span_ms")
+        """What the policy measured and learned (JSON-ready): the fitted costs per width q in ms,
+        t_q = fixed + per_row x B + per_row_per_1k_span x B S / 1000, and acceptance by bin."""
         return {
-            "step_cost": {n: 1e3 * c for n, c in zip(names, self.step_cost.coef)},
-            "proposer_cost": {n: 1e3 * c for n, c in zip(names, self.prop_cost.coef)},
+            "step_cost": self.step_cost.describe(),
+            "proposer_cost": self.prop_cost.describe(),
             "acceptance_by_bin": {
                 str(b): [round(float(a), 3) for a in row] for b, row in enumerate(self.table) if self.seen[b].sum() > 0
             },
@@ -195,6 +197,14 @@ class Adaptive:
         }
 
     # --- the model ------------------------------------------------------------------------
+    def _estimate(self) -> None:
+        """table [bins, k_max] and any_bin [k_max] from the decayed counts: each cell's rate,
+        shrunk towards the cell before it (the first towards the prior) by PSEUDO observations, so
+        a position never tested yet is expected to do as the one before it."""
+        self.table = _shrunk(self.hits, self.seen, self.prior)
+        any_prior = torch.tensor([float(self.prior.mean())], dtype=torch.float64)
+        self.any_bin = _shrunk(self.hits.sum(0, keepdim=True), self.seen.sum(0, keepdim=True), any_prior)[0]
+
     def _ratios(self, seqs) -> torch.Tensor:
         return torch.tensor([self.ratio.get(s, 1.0) for s in seqs], dtype=torch.float64)
 
@@ -219,9 +229,18 @@ class Adaptive:
         return tokens / seconds.clamp(min=1e-9)
 
 
-def _prior(bins: int, k_max: int) -> torch.Tensor:
+def _prior(bins: int) -> torch.Tensor:
     """Starting acceptance by bin: a bin's share of the way to 0.9 (bin 0: no confidence)."""
-    return (torch.arange(bins, dtype=torch.float64) + 0.5)[:, None].div(bins).mul(0.9).expand(bins, k_max).clone()
+    return (torch.arange(bins, dtype=torch.float64) + 0.5) / bins * 0.9
+
+
+def _shrunk(hits: torch.Tensor, seen: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
+    """[bins, k] rates (hits + PSEUDO x previous) / (seen + PSEUDO), previous = the prior [bins]
+    for position 0, else the estimate of the position before."""
+    out, previous = torch.empty_like(hits), prior
+    for j in range(hits.shape[1]):
+        previous = out[:, j] = (hits[:, j] + PSEUDO * previous) / (seen[:, j] + PSEUDO)
+    return out
 
 
 def _span(batch) -> int:

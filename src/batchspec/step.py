@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from . import acceptance, kv
+from . import acceptance, kv, tp
 from .batch import PaddedBatch
 from .proposer import Proposal, Proposer
 from .sampling import RowParams, choose, probabilities, row_noise
@@ -135,13 +135,15 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
     seqs, span = list(batch.seqs), max(len(s) for s in batch.seqs)
     params = RowParams.of([s.params for s in seqs], ctx.device)
     started = timed(ctx.device)
-    k = policy.plan(batch) if ctx.proposer is not None and policy.k_max > 0 else 0
+    # Choices from clocks are rank 0's on every tensor-parallel rank (tp.agree; a no-op otherwise).
+    k = tp.agree(policy.plan(batch)) if ctx.proposer is not None and policy.k_max > 0 else 0
     vocab = ctx.target.config.vocab_size
     noise = None if params.greedy else row_noise(seqs, k + 1, vocab, ctx.device)
     with stats.stage("draft"):
         proposal = None
         if k > 0:
-            stop = policy.stop_rule(batch, started)
+            rule = policy.stop_rule(batch, started)
+            stop = None if rule is None else (lambda i, bins: tp.agree(rule(i, bins)))
             proposal = ctx.proposer.propose(batch, k, params, None if noise is None else noise[:, :k], stop)
         drafts, limit = _chosen(policy, batch, proposal, started, ctx.device)
     step_start = timed(ctx.device)
@@ -176,7 +178,7 @@ def _chosen(policy, batch: Layout, proposal: Proposal | None, started: float, de
     """The drafts to verify [B, w] and each row's count of real ones [B] (None: all w)."""
     if proposal is None:
         return torch.zeros(len(batch.seqs), 0, dtype=torch.long, device=device), None
-    width = policy.choose(batch, proposal, started)
+    width = tp.agree(policy.choose(batch, proposal, started))
     limit = proposal.num_proposed
     if limit is not None:
         width = min(width, int(limit.max()))
