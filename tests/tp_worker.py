@@ -21,12 +21,15 @@ RUNS = {
 
 
 def decode_all(pair, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
-    """{"method/run": token ids per prompt} for every correct method and every run."""
+    """{"method/run": token ids per prompt} for every correct method and every run; speculative
+    methods also with `-k auto` ("method@auto/run"), whose timed choices the ranks must agree on."""
     out = {}
     for method in methods.names(include_broken=False):
-        for run, params in RUNS.items():
-            dec = SpecDecoder(pair, method=method, k=3, batch_size=4)
-            out[f"{method}/{run}"] = [o.token_ids for o in dec.generate(prompts, params)]
+        for k in (3, "auto") if methods.get(method).speculative else (3,):
+            name = method if k == 3 else f"{method}@{k}"
+            for run, params in RUNS.items():
+                dec = SpecDecoder(pair, method=method, k=k, batch_size=4)
+                out[f"{name}/{run}"] = [o.token_ids for o in dec.generate(prompts, params)]
     return out
 
 
