@@ -37,11 +37,11 @@ def features(rows: int, span: int) -> list[float]:
 
 
 class LinearCost:
-    """t = coef . features(B, S) >= 0, fitted to probes (kept, down-weighted) and the `recent` last
-    observations."""
+    """t = coef . features(B, S), fitted to probes (kept, down-weighted) and the `recent` last
+    observations; coefficients >= 0 unless `signed` (a correction may be negative)."""
 
-    def __init__(self, probes: list[tuple[list[float], float]], recent: int = 200):
-        self.probes = list(probes)
+    def __init__(self, probes: list[tuple[list[float], float]], recent: int = 200, signed: bool = False):
+        self.probes, self.signed = list(probes), signed
         self.seen: deque[tuple[list[float], float]] = deque(maxlen=recent)
         self.coef = [0.0, 0.0, 0.0]
         self._stale = 0
@@ -57,7 +57,7 @@ class LinearCost:
             self._fit()
 
     def _fit(self) -> None:
-        """Non-negative weighted least squares over 3 coefficients, by trying every active set."""
+        """Weighted least squares over 3 coefficients; non-negative ones by trying every active set."""
         self._stale = 0
         data = self.probes + list(self.seen)
         if not data:
@@ -65,6 +65,9 @@ class LinearCost:
         weight = torch.tensor([PROBE_WEIGHT] * len(self.probes) + [1.0] * len(self.seen), dtype=torch.float64)
         x = torch.tensor([f for f, _ in data], dtype=torch.float64) * weight.sqrt()[:, None]
         y = torch.tensor([t for _, t in data], dtype=torch.float64) * weight.sqrt()
+        if self.signed:
+            self.coef = torch.linalg.lstsq(x, y[:, None], driver="gelsd").solution[:, 0].tolist()
+            return
         best, best_err = [0.0, 0.0, 0.0], float("inf")
         for mask in range(1, 8):
             cols = [i for i in range(3) if mask >> i & 1]
@@ -81,34 +84,41 @@ class LinearCost:
 
 
 class StepCost:
-    """Seconds of a forward of q tokens per row: one `LinearCost` in (B, B x S) per width q.
+    """Seconds of a forward of q tokens per row: a probe fit per width q, in (B, B x S), plus one
+    correction for every width, in (B, B x S), fitted on what the timed steps cost beyond the probe
+    fits (the engine's own per-step work, and the machine's load now).
 
     Widths are modelled apart because their costs are not smooth in q: on the CPU measured here a
     verify of 2-4 tokens per row over a long span can cost more than one of 5 (kernel choices), and
-    the step from 1 to 2 tokens costs more than any later one (docs/benchmarks.md)."""
+    the step from 1 to 2 tokens costs more than any later one (docs/benchmarks.md). The correction
+    is shared so that a width rarely chosen is not judged by its bare forward while the others
+    carry the engine's overheads."""
 
     def __init__(self, probes: list[Sample]):
         by_width: dict[int, list] = {}
         for rows, q, span, seconds in probes:
             by_width.setdefault(q, []).append((features(rows, span), seconds))
         self.widths = {q: LinearCost(points) for q, points in sorted(by_width.items())}
+        self.correction = LinearCost([], signed=True)
 
     def __call__(self, rows: int, q: int, span: int) -> float:
-        return self._width(q)(rows, span)
+        return max(0.0, self._width(q)(rows, span) + self.correction(rows, span))
 
     def observe(self, rows: int, q: int, span: int, seconds: float) -> None:
-        self._width(q).observe(rows, span, seconds)
+        self.correction.observe(rows, span, seconds - self._width(q)(rows, span))
 
     def _width(self, q: int) -> LinearCost:
-        if q not in self.widths:  # an unprobed width starts from the nearest probed one
+        if q not in self.widths:  # an unprobed width (none probed: 0, the correction learns it all)
             near = min(self.widths, key=lambda w: abs(w - q)) if self.widths else None
             self.widths[q] = LinearCost(list(self.widths[near].probes) if near is not None else [])
         return self.widths[q]
 
     def describe(self) -> dict:
-        """{q: {fixed_ms, per_row_ms, per_row_per_1k_span_ms}}, JSON-ready."""
+        """{q: {fixed_ms, per_row_ms, per_row_per_1k_span_ms}} of the probe fits, and the
+        correction, JSON-ready."""
         names = ("fixed_ms", "per_row_ms", "per_row_per_1k_span_ms")
-        return {str(q): {n: round(1e3 * c, 3) for n, c in zip(names, m.coef)} for q, m in self.widths.items()}
+        ms = lambda m: {n: round(1e3 * c, 3) for n, c in zip(names, m.coef)}  # noqa: E731
+        return {str(q): ms(m) for q, m in self.widths.items()} | {"correction": ms(self.correction)}
 
 
 @torch.inference_mode()

@@ -84,7 +84,9 @@ class Fixed:
         return None
 
     def choose(self, batch, proposal, started: float) -> int:
-        return int(proposal.drafts.shape[1])
+        """All drafts, but no column no row uses."""
+        n = proposal.num_proposed
+        return int(proposal.drafts.shape[1] if n is None else n.max())
 
     def observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span) -> None:
         pass

@@ -180,8 +180,7 @@ def _chosen(policy, batch: Layout, proposal: Proposal | None, started: float, de
         return torch.zeros(len(batch.seqs), 0, dtype=torch.long, device=device), None
     width = tp.agree(policy.choose(batch, proposal, started))
     limit = proposal.num_proposed
-    if limit is not None:
-        width = min(width, int(limit.max()))
+    if limit is not None:  # columns past a row's drafts are padding it never accepts
         limit = limit.clamp(max=width)
     return proposal.drafts[:, :width], limit
 
