@@ -17,7 +17,9 @@ estimated probability that draft l is accepted once drafts 1 .. l-1 were:
 `table` is acceptance by the proposer's confidence bin (the n-gram match length; the draft model's
 probability of its token, in tenths) and position, learned online (exponential moving averages);
 `r_b` is row b's recent accepted / expected ratio (its text is more or less predictable than
-average), relaxing towards 1 while the row does not speculate.
+average), relaxing towards 1 while the row does not speculate. All expected accepted drafts are
+scaled by the realised / predicted ratio of the recent verify steps (the choice favours steps
+whose estimates happen to be high, so uncorrected estimates run optimistic).
 
 The k = 0 arm has no tax: before proposing, if no width q > 1 can beat a plain step (for a cheap
 proposer even if every row's drafts were of its best bin; for a draft model at the acceptance seen
@@ -42,6 +44,9 @@ from .costmodel import StepCost, probe, sync
 AUTO_K_MAX = 6
 #: Forgetting of the acceptance counts per observation of a cell (memory of about 1 / TABLE_RATE).
 TABLE_RATE = 0.03
+#: Forgetting per verify step of the predicted / realised acceptance sums (all estimates are
+#: scaled by realised / predicted: the choices select steps whose estimates happen to be high).
+CALIBRATION_DECAY = 0.98
 #: Pseudo observations that shrink a cell towards the one before it (or the prior).
 PSEUDO = 2.0
 #: Weight of one step's observation in a row's accepted / expected ratio.
@@ -104,6 +109,8 @@ class Adaptive:
         self.hits = torch.zeros(proposer.bins, k_max, dtype=torch.float64)  # decayed accepted counts
         self.seen = torch.zeros_like(self.hits)  # decayed tested counts
         self._estimate()
+        self.calibration = [1.0, 1.0]  # decayed sums: accepted drafts predicted, realised
+        self.predicted = 0.0
         self.ratio: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> r_b
 
     # --- before proposing -----------------------------------------------------------------
@@ -150,7 +157,10 @@ class Adaptive:
         if proposal.num_proposed is not None:
             a = a * (torch.arange(drafts)[None, :] < proposal.num_proposed.cpu()[:, None])
         spent = time.perf_counter() - started
-        return int(self._rates(a.cumprod(dim=1), spent, rows, span).argmax())
+        p = a.cumprod(dim=1)
+        width = int(self._rates(p, spent, rows, span).argmax())
+        self.predicted = float(p[:, :width].sum())  # accepted drafts expected (before calibration)
+        return width
 
     def observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span) -> None:
         """Learn from a finished step: acceptance by bin and position, each row's ratio, costs."""
@@ -158,6 +168,10 @@ class Adaptive:
         self.step_cost.observe(rows, width + 1, span, step_s)
         if proposal is None:
             return
+        if width > 0:  # predicted vs realised accepted drafts, over the recent verify steps
+            self.calibration = [
+                CALIBRATION_DECAY * c + x for c, x in zip(self.calibration, (self.predicted, sum(num_accepted)))
+            ]
         drafted = proposal.drafts.shape[1]
         forwards = drafted if self.proposer.model is not None else 1
         if forwards:
@@ -223,7 +237,9 @@ class Adaptive:
         """p [B, j]: probability that drafts 1..l are all accepted -> expected tokens per second of
         widths q = 1 .. j + 1 (index q - 1). The proposer's time `prop_s` is already spent (`sunk`,
         charged to every width) or still avoidable (charged to widths q > 1 only)."""
-        tokens = rows + torch.cat([torch.zeros(1, dtype=torch.float64), p.sum(dim=0).cumsum(dim=0)])
+        predicted, realised = self.calibration
+        extra = torch.cat([torch.zeros(1, dtype=torch.float64), p.sum(dim=0).cumsum(dim=0)])
+        tokens = rows + extra * min(2.0, max(0.25, realised / predicted))
         seconds = torch.tensor(
             [self.step_cost(rows, q, span) + (prop_s if sunk or q > 1 else 0.0) for q in range(1, p.shape[1] + 2)],
             dtype=torch.float64,
