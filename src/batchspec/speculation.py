@@ -122,16 +122,17 @@ class Adaptive:
         # when the acceptance seen so far, whatever the bin, can.
         prior = self.table.max(dim=0).values if self.proposer.model is None else self.any_bin
         a = (prior[None, :] * r[:, None]).clamp(max=0.98)
-        rates = self._rates(a.cumprod(dim=1), self._prop_seconds(rows, self.k_max, span), rows, span, sunk=False)
-        if int(rates.argmax()) == 0:
-            for seq in batch.seqs:  # a row that does not speculate drifts back to average
-                self.ratio[seq] = r_b = self.ratio.get(seq, 1.0)
+        prop_s = self._forwards(self.k_max) * self.prop_cost(rows, 1, span)
+        if int(self._rates(a.cumprod(dim=1), prop_s, rows, span, sunk=False).argmax()) == 0:
+            for seq, r_b in zip(batch.seqs, r.tolist()):  # a row that does not speculate drifts back to average
                 self.ratio[seq] = r_b + 0.05 * (1.0 - r_b)
             return 0
         return self.k_max
 
     def stop_rule(self, batch, started: float):
         """For a drafting proposer: stop once one more draft is expected to lower the rate."""
+        if self.proposer.model is None:
+            return None
         rows, span = len(batch.seqs), _span(batch)
         r = self._ratios(batch.seqs)
 
@@ -144,7 +145,7 @@ class Adaptive:
             more = self._rates(p, spent + self.prop_cost(rows, 1, span), rows, span)[-1]
             return bool(more <= now)
 
-        return stop if self.proposer.model is not None else None
+        return stop
 
     # --- after proposing ------------------------------------------------------------------
     def choose(self, batch, proposal, started: float) -> int:
@@ -172,8 +173,7 @@ class Adaptive:
             self.calibration = [
                 CALIBRATION_DECAY * c + x for c, x in zip(self.calibration, (self.predicted, sum(num_accepted)))
             ]
-        drafted = proposal.drafts.shape[1]
-        forwards = drafted if self.proposer.model is not None else 1
+        forwards = self._forwards(proposal.drafts.shape[1])
         if forwards:
             self.prop_cost.observe(rows, 1, span, prop_s / forwards)
         if width == 0:
@@ -229,9 +229,9 @@ class Adaptive:
         pos = torch.arange(bins.shape[1])[None, :].expand_as(bins)
         return (self.table[bins, pos] * r[:, None]).clamp(max=0.98)
 
-    def _prop_seconds(self, rows: int, drafts: int, span: int) -> float:
-        forwards = drafts if self.proposer.model is not None else 1
-        return forwards * self.prop_cost(rows, 1, span)
+    def _forwards(self, drafts: int) -> int:
+        """Proposer calls that `drafts` drafts take: one per draft for a model, one for a lookup."""
+        return drafts if self.proposer.model is not None else 1
 
     def _rates(self, p: torch.Tensor, prop_s: float, rows: int, span: int, sunk: bool = True) -> torch.Tensor:
         """p [B, j]: probability that drafts 1..l are all accepted -> expected tokens per second of
