@@ -25,8 +25,7 @@ from . import kv, tp
 from .batch import PaddedBatch
 from .sequence import Sequence, Status
 from .static import length_buckets
-from .step import Context, prefill
-from .verifier import forward
+from .step import Context, feed, prefill
 
 MIN_CHUNK = 16  # a measured chunk never drops below this (tiny chunks waste a forward each)
 
@@ -114,9 +113,8 @@ class Admission:
         if limit is not None and left > limit:
             start = time.perf_counter()
             with self.ctx.stats.stage("prefill"):
-                for role, model in self.ctx.models().items():
-                    ids = part.pending(role)[:, :limit]
-                    forward(model, ids, part.inputs(role, ids.shape[1]), last_only=True)
+                for role in self.ctx.models():
+                    feed(self.ctx, part, role, part.pending(role)[:, :limit])
             self._observe_prefill(limit, time.perf_counter() - start)
             self.chunks += 1
             return limit, []

@@ -70,6 +70,14 @@ class PaddedBatch:
             "cache": self.caches[role],
         }
 
+    def mark(self, role: str) -> int:
+        """What `rewind` returns `role`'s cache to: its entries now."""
+        return self.cache_width(role)
+
+    def rewind(self, role: str, mark: int) -> None:
+        """Forget what `role` was fed since `mark` (a proposer's drafts it must not keep)."""
+        kv.truncate(self.caches[role], mark)
+
     def realign(self) -> list[Sequence]:
         """After the step's tokens were committed to the sequences: drop finished rows, then unpad,
         append and repad every role's cache (one gather per layer). Returns the finished rows."""

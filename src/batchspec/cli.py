@@ -23,6 +23,7 @@ from .models import DTYPES, PAIRS, load_pair, target_config
 from .prompts import Prompt, read_prompts
 from .speculation import AUTO_K_MAX
 
+PROPOSER_HELP = "draft model, n-gram lookup, or the draft head reading the target's features (default: the pair's)"
 K_HELP = (
     "draft tokens per row and step: N, or auto (default: chosen every step from measured costs, "
     f"0..{AUTO_K_MAX} per row)"
@@ -79,7 +80,7 @@ def _decode_options(p: argparse.ArgumentParser, one_method: bool) -> None:
         g.add_argument("-k", type=k_value, default="auto", help=K_HELP)
     else:
         g.add_argument("-k", default="auto", help=K_HELP + "; a comma-separated list runs each value (bench)")
-    g.add_argument("--proposer", choices=list(PROPOSERS), help="draft model or n-gram lookup (default: the pair's)")
+    g.add_argument("--proposer", choices=list(PROPOSERS), help=PROPOSER_HELP)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -143,7 +144,7 @@ def _serve_parser(sub) -> None:
     g.add_argument("--method", choices=served, default=served[0], help=f"a method the online engine runs ({served[0]})")
     g.add_argument("-k", type=k_value, default="auto", help=K_HELP)
     g.add_argument("--no-spec", action="store_true", help="plain decoding (k = 0) in the same engine")
-    g.add_argument("--proposer", choices=list(PROPOSERS), help="draft model or n-gram lookup (default: the pair's)")
+    g.add_argument("--proposer", choices=list(PROPOSERS), help=PROPOSER_HELP)
     g.add_argument("--batch-size", type=int, default=8, help="rows decoded together (default 8)")
     g.add_argument(
         "--kv-budget",

@@ -13,7 +13,7 @@ from . import methods
 from .errors import BatchspecError
 from .speculation import AUTO_K_MAX
 
-PROPOSERS = ("draft", "ngram")
+PROPOSERS = ("draft", "ngram", "eagle")
 
 
 def _is_int(x: object) -> bool:
@@ -74,7 +74,7 @@ class EngineConfig:
     method: str = methods.DEFAULT_METHOD
     k: int | str = "auto"
     batch_size: int = 8
-    proposer: str | None = None  # "draft" | "ngram"; None: the pair's default
+    proposer: str | None = None  # "draft" | "ngram" | "eagle"; None: the pair's default
     window_size: int | None = None
     min_group: int | None = None
     kv_budget_tokens: int | None = None

@@ -130,12 +130,15 @@ def time_forward(model, rows: int, q: int, span: int, repeats: int = 1) -> float
     positions = (span + torch.arange(q, device=device))[None, :].expand(rows, q)
     mask = (torch.arange(span + q, device=device)[None, None, :] <= positions[:, :, None])[:, None]
     ids = torch.zeros(rows, q, dtype=torch.long, device=device)
+    extra = {}
+    if getattr(model, "needs_features", False):  # a draft head (eagle.py) also reads features
+        extra["features"] = torch.zeros(rows, q, model.config.hidden_size, dtype=model.dtype, device=device)
     times = []
     for _ in range(repeats + 1):  # the first run warms up
         cache.prepare(rows, positions)
         sync(device)
         start = time.perf_counter()
-        model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, **extra)
         sync(device)
         times.append(time.perf_counter() - start)
     return sorted(times[1:])[len(times[1:]) // 2]

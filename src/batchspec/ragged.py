@@ -116,6 +116,14 @@ class RaggedBatch:
         self.heads[role][:n] = start + q
         return {"attention_mask": mask[:, None], "position_ids": positions, "cache": cache}
 
+    def mark(self, role: str) -> torch.Tensor:
+        """What `rewind` returns `role` to: each row's next write slot now."""
+        return self.heads[role][: len(self.seqs)].clone()
+
+    def rewind(self, role: str, mark: torch.Tensor) -> None:
+        """Forget what `role` was fed since `mark` (the slots are overwritten later)."""
+        self.heads[role][: len(self.seqs)] = mark
+
     def realign(self) -> list[Sequence]:
         """No realignment: count the entries that hold committed tokens, then retire finished rows."""
         n = len(self.seqs)

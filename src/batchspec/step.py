@@ -32,7 +32,7 @@ from .sampling import RowParams, choose, probabilities, row_noise
 from .sequence import Sequence, Status
 from .speculation import Fixed, Speculation, timed
 from .stats import Stats
-from .verifier import forward, verify
+from .verifier import forward, forward_features, verify
 
 
 @runtime_checkable
@@ -50,6 +50,14 @@ class Layout(Protocol):
 
     def inputs(self, role: str, q: int) -> dict:
         """Model kwargs (attention_mask, position_ids, cache) to feed q new tokens per row."""
+        ...
+
+    def mark(self, role: str) -> object:
+        """An opaque point in `role`'s cache that `rewind` returns to."""
+        ...
+
+    def rewind(self, role: str, mark: object) -> None:
+        """Forget the entries `role` was fed since `mark` (a draft head's drafting forwards)."""
         ...
 
     def realign(self) -> list[Sequence]:
@@ -113,9 +121,8 @@ def prefill(ctx: Context, batch: Layout) -> list[Sequence]:
     first token. Returns the rows that finished (EOS first, or max_new_tokens == 1)."""
     with ctx.stats.stage("prefill"):
         first = None
-        for role, model in ctx.models().items():
-            ids = batch.pending(role)
-            logits = forward(model, ids, batch.inputs(role, ids.shape[1]), last_only=True)[:, -1]
+        for role in ctx.models():
+            logits = feed(ctx, batch, role, batch.pending(role))[:, -1]
             if role == "target":
                 first = _pick(logits, batch.seqs)
         for seq, token in zip(batch.seqs, first.tolist()):
@@ -126,6 +133,20 @@ def prefill(ctx: Context, batch: Layout) -> list[Sequence]:
         finished = batch.realign()
     _after(ctx, batch, finished)
     return finished
+
+
+def feed(ctx: Context, batch: Layout, role: str, ids: torch.Tensor) -> torch.Tensor:
+    """Feed ids [B, q] to `role`'s cache; logits of the last column [B, 1, V]. The target's
+    features are kept when the proposer reads them (`proposer.features`, eagle.py)."""
+    if role != "target":
+        return ctx.proposer.feed(batch, ids)
+    inputs = batch.inputs(role, ids.shape[1])
+    features = getattr(ctx.proposer, "features", None)
+    if features is None:
+        return forward(ctx.target, ids, inputs, last_only=True)
+    logits, hidden = forward_features(ctx.target, ids, inputs, last_only=True)
+    features.write(batch.seqs, inputs["position_ids"], hidden)
+    return logits
 
 
 def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
@@ -148,7 +169,7 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
         drafts, limit = _chosen(policy, batch, proposal, started, ctx.device)
     step_start = timed(ctx.device)
     with stats.stage("verify"):
-        logits = verify(ctx.target, batch, drafts)
+        logits = verify(ctx.target, batch, drafts, getattr(ctx.proposer, "features", None))
     with stats.stage("accept"):
         width = drafts.shape[1]
         if params.greedy:

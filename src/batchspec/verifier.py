@@ -20,7 +20,20 @@ def forward(model, ids: torch.Tensor, inputs: dict, last_only: bool = False) -> 
     return out.logits
 
 
-def verify(target, batch: Layout, drafts: torch.Tensor) -> torch.Tensor:
-    """drafts [B, k] -> target logits [B, k+1, V] at `[last, d1..dk]`, in one forward pass."""
+def forward_features(model, ids: torch.Tensor, inputs: dict, last_only: bool = False):
+    """`forward`, and the final hidden states [B, q, H] the LM head reads (what a feature-reading
+    draft head needs): the decoder, then the LM head on the kept columns, as the model itself does."""
+    hidden = model.get_decoder()(input_ids=ids, use_cache=True, **inputs).last_hidden_state
+    return model.get_output_embeddings()(hidden[:, -1:] if last_only else hidden), hidden
+
+
+def verify(target, batch: Layout, drafts: torch.Tensor, features=None) -> torch.Tensor:
+    """drafts [B, k] -> target logits [B, k+1, V] at `[last, d1..dk]`, in one forward pass.
+    `features` (an eagle.Features, or None): also keep the target's hidden states of these tokens."""
     ids = torch.cat([batch.pending("target"), drafts], dim=1)
-    return forward(target, ids, batch.inputs("target", ids.shape[1]))
+    inputs = batch.inputs("target", ids.shape[1])
+    if features is None:
+        return forward(target, ids, inputs)
+    logits, hidden = forward_features(target, ids, inputs)
+    features.write(batch.seqs, inputs["position_ids"], hidden)
+    return logits

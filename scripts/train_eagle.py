@@ -1,0 +1,241 @@
+"""Train the shipped EAGLE-style head for SmolLM2-135M-Instruct (batchspec.eagle), end to end.
+
+    python scripts/train_eagle.py                  # data (cached) -> head -> weights (~40 min, 2 CPU cores)
+    python scripts/train_eagle.py --pair tiny --steps 50 --out /tmp/head.safetensors   # seconds
+
+1. data: the same target-written corpus as the draft (scripts/train_draft: prompts.json templates x
+   topics, never Spec-Bench prompts; the target answers them and its final hidden states, the
+   features, are kept). Cached at --data; a run with the cache skips generation.
+2. vocabulary: the 8,192 most frequent tokens of the training split (train_draft/vocab.py).
+3. head: fc + one Llama layer initialised from the target's last layer, the final norm from the
+   target's; the embedding and the LM head rows are the target's (shared, frozen, not stored).
+4. loss per position t, fed [x_t, f(t-1) + noise]: smooth-L1(predicted f_t, f_t) + cls_weight x
+   cross-entropy of the head's reduced logits against the target's distribution (EAGLE's recipe).
+5. validation: held-out greedy answers, drafting k tokens per step as the engine does (true
+   features for committed tokens, predicted ones while drafting): mean accepted drafts per step.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see scripts/train_draft/__main__.py
+
+import argparse
+import logging
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_draft"))
+
+import answers  # noqa: E402
+import distill  # noqa: E402
+import pipeline  # noqa: E402
+import vocab  # noqa: E402
+
+from batchspec import kv  # noqa: E402
+from batchspec.draft import draft_config  # noqa: E402
+from batchspec.eagle import EAGLE_FILE, EagleHead, save_head, shifted  # noqa: E402
+from batchspec.models import load_pair  # noqa: E402
+
+LOG = logging.getLogger("train_eagle")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python scripts/train_eagle.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", default="default", choices=("default", "tiny"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--data", default="/tmp/batchspec_draft/data.pt", help="cache of the generated data")
+    ap.add_argument("--out", default=EAGLE_FILE, help="weights file (the JSON goes next to it)")
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--cls-weight", type=float, default=0.1)
+    ap.add_argument("--noise", type=float, default=0.1, help="uniform noise on input features, x their RMS")
+    ap.add_argument("--init-layer", type=int, default=-1, help="target layer the head's layer starts from")
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast")
+    ap.add_argument("--val-frac", type=float, default=0.04)
+    ap.add_argument("--eval-every", type=int, default=400)
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--k", type=int, default=4)
+    # data generation (as train_draft's defaults; used only when --data is missing)
+    ap.add_argument("--prompt-scale", type=float, default=1.2)
+    ap.add_argument("--max-new-tokens", type=int, default=160)
+    ap.add_argument("--article-tokens", type=int, default=360)
+    ap.add_argument("--gen-batch", type=int, default=32)
+    ap.add_argument("--sample-frac", type=float, default=0.2)
+    ap.add_argument("--sample-temp", type=float, default=0.7)
+    args = ap.parse_args(argv)
+    args.command = " ".join(["python scripts/train_eagle.py", *argv])
+    return args
+
+
+def init_head(target, vocab_ids: torch.Tensor, layer: int) -> EagleHead:
+    """A float32 head: its layer copied from the target's `layer`, final norm from the target's."""
+    head = EagleHead(draft_config(target.config, 1), vocab_ids)
+    with torch.no_grad():
+        head.model.layers[0].load_state_dict(target.model.layers[layer].state_dict())
+        head.model.norm.load_state_dict(target.model.norm.state_dict())
+    head = head.float()
+    head.share_target(target)
+    head.model.embed_tokens.weight.requires_grad_(False)
+    return head
+
+
+def collate(records: list[dict], idx: list[int], max_len: int, pad_id: int):
+    """Right-padded ids [B, T], mask [B, T], target features [B, T, H] (position t's, t <= n - 2)."""
+    rows = [records[i] for i in idx]
+    T = max(min(len(r["tokens"]) - 1, max_len) for r in rows)
+    H = rows[0]["hidden"].shape[1]
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    feats = torch.zeros(len(rows), T, H)
+    for b, r in enumerate(rows):
+        n = min(len(r["tokens"]) - 1, max_len)
+        ids[b, :n], mask[b, :n], feats[b, :n] = r["tokens"][:n].long(), 1, r["hidden"][:n].float()
+    return ids, mask, feats
+
+
+def head_loss(head: EagleHead, ids, mask, feats, noise: float, cls_weight: float):
+    """(loss, {"reg", "agree"}) over the real positions of a collated batch."""
+    inputs = shifted(feats)
+    if noise:
+        inputs = inputs + noise * (torch.rand_like(inputs) * 2 - 1)
+    pred = head.hidden(ids, inputs, attention_mask=mask)  # [B, T, H]
+    sel = mask.bool()
+    p, f = pred[sel].float(), feats[sel]
+    reg = F.smooth_l1_loss(p, f)
+    z_head = p @ head.head.float().T
+    z_teacher = f @ head.head.float().T
+    cls = -(F.softmax(z_teacher, -1) * F.log_softmax(z_head, -1)).sum(-1).mean()
+    agree = (z_head.argmax(-1) == z_teacher.argmax(-1)).float().mean()
+    return reg + cls_weight * cls, {"reg": float(reg.detach()), "agree": float(agree)}
+
+
+@torch.no_grad()
+def simulate(head: EagleHead, record: dict, k: int) -> tuple[int, int]:
+    """(accepted drafts, steps) of greedy speculative decoding over one greedy answer with the
+    head drafting as the engine does: true features up to the last committed token, then its own."""
+    tokens, feats, n0 = record["tokens"].long(), record["hidden"].float(), record["n_prompt"]
+    cache = kv.reference_cache(head.config)
+    n = n0  # tokens 0..n are committed (token n0 came from the prefill); the head has fed 0..done-1
+    done, accepted, steps = 0, 0, 0
+    while n < len(tokens) - 1:
+        ids = tokens[None, done : n + 1]
+        fin = shifted(feats[None, : n + 1])[:, done:]
+        pos = torch.arange(done, n + 1)[None]
+        drafts = []
+        for _ in range(k):
+            h = head.hidden(ids, fin, position_ids=pos, cache=cache, use_cache=True)[:, -1:]
+            token = head.vocab_ids[(h @ head.head.T).argmax(-1)]  # [1, 1]
+            drafts.append(int(token))
+            ids, fin, pos = token, h, pos[:, -1:] + 1
+        cache.crop(n + 1 - cache.get_seq_length())  # drop the drafted entries (negative: how many)
+        done = n + 1
+        a = 0
+        while a < k and n + 1 + a < len(tokens) and drafts[a] == int(tokens[n + 1 + a]):
+            a += 1
+        accepted, steps, n = accepted + a, steps + 1, n + a + 1
+    return accepted, steps
+
+
+def evaluate(head: EagleHead, records: list[dict], k: int) -> dict:
+    head.eval()
+    accepted = steps = 0
+    for r in records:
+        if r["temperature"] == 0 and len(r["tokens"]) - r["n_prompt"] > 1:
+            a, s = simulate(head, r, k)
+            accepted, steps = accepted + a, steps + s
+    return {"sim_accepted": round(accepted / max(steps, 1), 3)}
+
+
+def train(head: EagleHead, train_recs, val_recs, args, pad_id: int) -> dict:
+    rng = random.Random(args.seed)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: distill.lr_factor(s, args.steps))
+    rms = float(torch.cat([r["hidden"][:64].float() for r in train_recs[:200]]).pow(2).mean().sqrt())
+    batches, history, start, seen = [], [], time.time(), 0
+    head.train()
+    for step in range(args.steps):
+        if not batches:
+            batches = distill.make_batches(train_recs, args.batch_tokens, args.max_len, rng)
+        ids, mask, feats = collate(train_recs, batches.pop(), args.max_len, pad_id)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss, info = head_loss(head, ids, mask, feats, args.noise * rms, args.cls_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        seen += int(mask.sum())
+        if step % args.log_every == 0 or step == args.steps - 1:
+            LOG.info(
+                f"step {step}/{args.steps} loss {float(loss.detach()):.3f} reg {info['reg']:.3f} "
+                f"agree {info['agree']:.3f} "
+                f"lr {sched.get_last_lr()[0]:.2e} {seen / (time.time() - start):.0f} tok/s"
+            )
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            history.append({"step": step + 1, **evaluate(head, val_recs, args.k)})
+            LOG.info(f"val @ {step + 1}: {history[-1]}")
+            head.train()
+    head.eval()
+    return {"history": history, "train_s": round(time.time() - start, 1), "train_tokens": seen, "feature_rms": rms}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="[%(relativeCreated)7.0fms] %(message)s", stream=sys.stdout)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    wall = time.time()
+    args.data_only = False
+    data = answers.build_data(args)
+    train_recs, val_recs = pipeline.split(data["records"], args.val_frac, args.seed)
+    pair = load_pair(args.pair, dtype="float32", device="cpu")
+    forced = vocab.forced_ids(pair.tokenizer, pair.eos_ids)
+    vocab_ids = vocab.choose_vocab(train_recs, min(args.vocab, pair.vocab_size), forced, pair.vocab_size)
+    head = init_head(pair.target, vocab_ids, args.init_layer % pair.target.config.num_hidden_layers)
+    before = evaluate(head, val_recs, args.k)
+    LOG.info(f"before training: {before}")
+    info = train(head, train_recs, val_recs, args, pair.pad_id)
+    after = evaluate(head, val_recs, args.k)
+    LOG.info(f"after training: {after}")
+    meta = {
+        "target": pipeline.TARGET_NAMES.get(args.pair, args.pair),
+        "architecture": {
+            "input": "fc([target embedding of token t, target final hidden state at t-1])",
+            "layers": 1,
+            "init_from_target_layer": args.init_layer,
+            "vocab_size_reduced": len(vocab_ids),
+            "shared_with_target": "input embedding, LM head rows (not stored)",
+            "params_stored": sum(t.numel() for t in head.stored_state().values()),
+            "stored_dtype": "bfloat16",
+        },
+        "training": {k: getattr(args, k) for k in ("seed", "steps", "batch_tokens", "lr", "cls_weight", "noise")}
+        | {"train_s": info["train_s"], "train_tokens_seen": info["train_tokens"], "feature_rms": info["feature_rms"]},
+        "data": {
+            "sequences": len(data["records"]),
+            "tokens": sum(len(r["tokens"]) for r in data["records"]),
+            "generation_s": round(data.get("gen_s", 0.0), 1),
+            "prompts": "scripts/train_draft/prompts.json templates x topics; no Spec-Bench prompts",
+        },
+        "validation": {"k": args.k, "before": before, "after": after, "history": info["history"]},
+        "command": args.command,
+        "wall_time_s": round(time.time() - wall, 1),
+    }
+    save_head(head, meta, args.out)
+    LOG.info(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()

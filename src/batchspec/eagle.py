@@ -1,0 +1,196 @@
+"""A feature-conditioned draft head (EAGLE-style) that reads the target's own last hidden states.
+
+For token position t the head takes [embedding of token t, the target's feature at t - 1] (the
+target's final hidden state, after its final norm: what its LM head reads), projects the pair to
+the hidden size (`fc`), runs one Llama decoder layer with its own KV cache and a final norm, and
+returns its estimate of the target's feature at t. Logits over the reduced vocabulary are that
+estimate times the target's own output rows of `vocab_ids`, so a draft token t + 1 is the target's
+LM head applied to the predicted feature. While drafting, each predicted feature is fed back as the
+next position's feature input (the target has not computed that one yet).
+
+Cache convention: the head's entry at position t was computed from the target's true feature
+f(t - 1). Entries fed while drafting use predicted features, so `EagleProposer` rewinds the head's
+cache to its pre-drafting length after every proposal; accepted tokens are re-fed with their true
+features on the next step (EAGLE's recipe). The invariant checker can then recompute every cached
+entry from the tokens alone (`reference_hidden`).
+
+Weights: `weights/smollm2_eagle.safetensors` (fc, the layer, the norm, vocab_ids; bf16). The input
+embedding and the head rows are the target's and are not stored. `scripts/train_eagle.py` trains it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .draft import WEIGHTS_DIR, draft_config
+
+EAGLE_FILE = os.path.join(WEIGHTS_DIR, "smollm2_eagle.safetensors")
+EAGLE_META = os.path.join(WEIGHTS_DIR, "smollm2_eagle.json")
+SHARED = ("model.embed_tokens.weight", "head")  # the target's tensors, never stored
+
+
+class EagleHead(torch.nn.Module):
+    """fc([embed(x_t), f_{t-1}]) -> Llama layer(s) -> norm = predicted f_t; logits = f_t @ head.T.
+
+    Called like a causal LM plus `features` [B, q, H] (the target's feature at each fed token's
+    previous position): `.logits` [B, q', V_r] and `.hidden` [B, q', H] (q' = q or logits_to_keep).
+    `head` [V_r, H] is a frozen buffer set by `share_target` (the target's output rows of vocab_ids).
+    """
+
+    needs_features = True
+
+    def __init__(self, config, vocab_ids: torch.Tensor):
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
+        self.model = LlamaModel(config)  # embed_tokens is replaced by the target's
+        self.register_buffer("vocab_ids", torch.as_tensor(vocab_ids, dtype=torch.long).clone())  # [V_r]
+        self.register_buffer("head", torch.zeros(len(vocab_ids), hidden), persistent=False)  # [V_r, H]
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def share_target(self, target) -> None:
+        """Use the target's input embedding (shared) and its output rows of vocab_ids (a copy)."""
+        embedding = target.get_input_embeddings().weight
+        if tuple(embedding.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise ValueError(f"embedding shape {tuple(embedding.shape)} does not match the head's config")
+        self.model.embed_tokens.weight = embedding
+        out = target.get_output_embeddings().weight.detach()
+        self.head = out[self.vocab_ids.to(out.device)].to(self.fc.weight.dtype).clone()
+
+    def hidden(self, input_ids, features, attention_mask=None, position_ids=None, cache=None, use_cache=False):
+        """ids [B, q], features [B, q, H] -> predicted features [B, q, H] (after the final norm)."""
+        embeds = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight).to(self.dtype)
+        x = self.fc(torch.cat([embeds, features.to(self.dtype)], dim=-1))
+        out = self.model(
+            inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache
+        )
+        return out.last_hidden_state
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, q]
+        features: torch.Tensor,  # [B, q, H]
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache=None,
+        use_cache: bool = True,
+        logits_to_keep: int = 0,
+        **_ignored,
+    ) -> CausalLMOutputWithPast:
+        hidden = self.hidden(input_ids, features, attention_mask, position_ids, cache, use_cache)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return CausalLMOutputWithPast(logits=hidden @ self.head.T, hidden_states=hidden)
+
+    def stored_state(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+        """Everything but the target's tensors; floats in `dtype`."""
+        return {
+            name: t.detach().to(dtype if t.is_floating_point() else t.dtype).contiguous()
+            for name, t in self.state_dict().items()
+            if name not in SHARED
+        }
+
+
+class Features:
+    """The target's features of each sequence by position: what the head reads as f(t - 1).
+
+    `write` after every target forward (prefill chunks, verification): column c of row b holds
+    position positions[b, c]; left-pad columns (repeated position 0 before a row's real tokens) are
+    skipped. Rejected drafts' features stay until the target feeds those positions again, which it
+    does before the head can read them: the head reads f(t - 1) only for t <= the last committed
+    token, whose predecessor the target has always fed. Kept per sequence, freed with it."""
+
+    def __init__(self, hidden_size: int):
+        self.hidden_size = hidden_size
+        self.rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> [capacity, H]
+
+    def write(self, seqs: list, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        """positions [B, q] (a forward's position ids), hidden [B, q, H]."""
+        pos = positions.tolist()
+        for b, seq in enumerate(seqs):
+            row = pos[b]
+            first = len(row) - 1
+            while first > 0 and row[first - 1] == row[first] - 1:  # the real columns: a run of +1 steps
+                first -= 1
+            start, end = row[first], row[-1] + 1
+            buf = self.rows.get(seq)
+            if buf is None or buf.shape[0] < end:
+                grown = hidden.new_zeros(max(end, 2 * (0 if buf is None else buf.shape[0]), 64), self.hidden_size)
+                if buf is not None:
+                    grown[: buf.shape[0]] = buf
+                self.rows[seq] = buf = grown
+            buf[start:end] = hidden[b, first:]
+
+    def read(self, seqs: list, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The head's feature inputs [B, q, H] for tokens at positions [B, q]: f(position - 1),
+        zeros at position 0 (and for positions the target has not fed: left-pad columns)."""
+        out = torch.zeros(*positions.shape, self.hidden_size, dtype=dtype, device=positions.device)
+        prev = (positions - 1).tolist()
+        for b, seq in enumerate(seqs):
+            buf = self.rows.get(seq)
+            row = prev[b]
+            first = next((c for c, p in enumerate(row) if p >= 0), len(row))
+            if buf is None or first == len(row):
+                continue
+            out[b, first:] = buf[row[first] : row[-1] + 1].to(dtype)
+        return out
+
+
+def shifted(features: torch.Tensor) -> torch.Tensor:
+    """Target features [B, n, H] at positions 0..n-1 -> the head's feature inputs [B, n, H] for
+    tokens 0..n-1: f(t - 1), zeros for t = 0."""
+    return torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)
+
+
+@torch.inference_mode()
+def reference_hidden(target, ids: torch.Tensor) -> torch.Tensor:
+    """The target's final hidden states [1, n, H] over ids [1, n], unbatched (for checks)."""
+    return target.get_decoder()(input_ids=ids).last_hidden_state
+
+
+def build_head(target, state: dict[str, torch.Tensor], num_layers: int = 1) -> EagleHead:
+    """An EagleHead for `target` holding `state` (stored tensors), sharing the target's tensors."""
+    head = EagleHead(draft_config(target.config, num_layers), state["vocab_ids"])
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - set(SHARED):
+        lost = sorted(set(missing) - set(SHARED))
+        raise ValueError(f"head weights do not fit: missing {lost}, unexpected {unexpected}")
+    head.to(target.get_input_embeddings().weight.device)
+    head.share_target(target)
+    return head
+
+
+def save_head(head: EagleHead, meta: dict, weights: str = EAGLE_FILE, meta_file: str | None = None) -> None:
+    """Write the weights (bf16, without the target's tensors) and the metadata JSON beside them."""
+    os.makedirs(os.path.dirname(os.path.abspath(weights)), exist_ok=True)
+    save_file(head.stored_state(), weights, metadata={"num_layers": str(head.config.num_hidden_layers)})
+    with open(meta_file or weights.removesuffix(".safetensors") + ".json", "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2)
+        f.write("\n")
+
+
+def load_head(target, dtype: torch.dtype | None = None, path: str = EAGLE_FILE) -> EagleHead:
+    """The shipped head for SmolLM2-135M-Instruct, offline, in `dtype` (default: the target's)."""
+    state = load_file(path)
+    num_layers = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("model.layers."))
+    dtype = dtype or target.get_input_embeddings().weight.dtype
+    head = build_head(target, {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, num_layers)
+    for module in (head.fc, head.model.layers, head.model.norm):
+        module.to(dtype=dtype)
+    head.share_target(target)
+    return head.eval()
