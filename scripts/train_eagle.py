@@ -29,6 +29,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_draft"))
 
@@ -43,6 +44,7 @@ from batchspec.eagle import EAGLE_FILE, EagleHead, save_head, shifted  # noqa: E
 from batchspec.models import load_pair  # noqa: E402
 
 LOG = logging.getLogger("train_eagle")
+TRAINING_KEYS = ("seed", "steps", "batch_tokens", "lr", "cls_weight", "noise", "second_step")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -53,17 +55,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--data", default="/tmp/batchspec_draft/data.pt", help="cache of the generated data")
     ap.add_argument("--out", default=EAGLE_FILE, help="weights file (the JSON goes next to it)")
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--cls-weight", type=float, default=0.1)
     ap.add_argument("--noise", type=float, default=0.1, help="uniform noise on input features, x their RMS")
+    ap.add_argument("--second-step", type=float, default=0.0, help="weight of the second drafting step's loss")
     ap.add_argument("--init-layer", type=int, default=-1, help="target layer the head's layer starts from")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast")
     ap.add_argument("--val-frac", type=float, default=0.04)
-    ap.add_argument("--eval-every", type=int, default=400)
+    ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--eval-records", type=int, default=16, help="held-out answers simulated during training")
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--k", type=int, default=4)
     # data generation (as train_draft's defaults; used only when --data is missing)
@@ -104,20 +108,61 @@ def collate(records: list[dict], idx: list[int], max_len: int, pad_id: int):
     return ids, mask, feats
 
 
-def head_loss(head: EagleHead, ids, mask, feats, noise: float, cls_weight: float):
-    """(loss, {"reg", "agree"}) over the real positions of a collated batch."""
+def head_loss(head: EagleHead, ids, mask, feats, noise: float, cls_weight: float, second: float = 0.0):
+    """(loss, {"reg", "agree"}) over the real positions of a collated batch. `second` > 0 adds the
+    second drafting step's loss with that weight (`second_step`)."""
     inputs = shifted(feats)
     if noise:
         inputs = inputs + noise * (torch.rand_like(inputs) * 2 - 1)
     pred = head.hidden(ids, inputs, attention_mask=mask)  # [B, T, H]
     sel = mask.bool()
-    p, f = pred[sel].float(), feats[sel]
+    loss, info = _position_loss(head, pred[sel].float(), feats[sel], cls_weight)
+    if second:
+        pred2 = second_step(head, ids, inputs, shifted(pred))
+        loss2, info2 = _position_loss(head, pred2[sel].float(), feats[sel], cls_weight)
+        loss, info["agree2"] = loss + second * loss2, info2["agree"]
+    return loss, info
+
+
+def _position_loss(head: EagleHead, p: torch.Tensor, f: torch.Tensor, cls_weight: float):
+    """Predicted p and true f features [N, H]: smooth-L1 + cls_weight x CE against the target."""
     reg = F.smooth_l1_loss(p, f)
     z_head = p @ head.head.float().T
     z_teacher = f @ head.head.float().T
     cls = -(F.softmax(z_teacher, -1) * F.log_softmax(z_head, -1)).sum(-1).mean()
     agree = (z_head.argmax(-1) == z_teacher.argmax(-1)).float().mean()
     return reg + cls_weight * cls, {"reg": float(reg.detach()), "agree": float(agree)}
+
+
+def second_step(head: EagleHead, ids, true_in, own_in):
+    """The head's second drafting step at every position t at once: token t with its own feature
+    input `own_in` (its prediction of f(t - 1)), attending to the first pass's entries (computed
+    from true features, `true_in`) at positions < t and to itself, as while drafting. [B, T, H]."""
+    layer, attn = head.model.layers[0], head.model.layers[0].self_attn
+    emb = F.embedding(ids, head.model.embed_tokens.weight)
+    T = ids.shape[1]
+    pos = torch.arange(T)[None].expand(ids.shape[0], T)
+    x1, x2 = head.fc(torch.cat([emb, true_in], -1)), head.fc(torch.cat([emb, own_in], -1))
+    cos, sin = head.model.rotary_emb(x1, pos)
+
+    def qkv(x):
+        h = layer.input_layernorm(x)
+        shape = (*x.shape[:2], -1, attn.head_dim)
+        q, k, v = (proj(h).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    _, k1, v1 = qkv(x1)
+    q2, k2, v2 = qkv(x2)
+    groups = q2.shape[1] // k1.shape[1]
+    keys = torch.cat([k1, k2], dim=2).repeat_interleave(groups, dim=1)
+    values = torch.cat([v1, v2], dim=2).repeat_interleave(groups, dim=1)
+    i = torch.arange(T)
+    see = torch.cat([i[None, :] < i[:, None], torch.eye(T, dtype=torch.bool)], dim=1)  # [T, 2T]
+    out = F.scaled_dot_product_attention(q2, keys, values, attn_mask=see)
+    h = x2 + attn.o_proj(out.transpose(1, 2).reshape(*x2.shape[:2], -1))
+    h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return head.model.norm(h)
 
 
 @torch.no_grad()
@@ -170,7 +215,7 @@ def train(head: EagleHead, train_recs, val_recs, args, pad_id: int) -> dict:
             batches = distill.make_batches(train_recs, args.batch_tokens, args.max_len, rng)
         ids, mask, feats = collate(train_recs, batches.pop(), args.max_len, pad_id)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            loss, info = head_loss(head, ids, mask, feats, args.noise * rms, args.cls_weight)
+            loss, info = head_loss(head, ids, mask, feats, args.noise * rms, args.cls_weight, args.second_step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -184,7 +229,7 @@ def train(head: EagleHead, train_recs, val_recs, args, pad_id: int) -> dict:
                 f"lr {sched.get_last_lr()[0]:.2e} {seen / (time.time() - start):.0f} tok/s"
             )
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            history.append({"step": step + 1, **evaluate(head, val_recs, args.k)})
+            history.append({"step": step + 1, **evaluate(head, val_recs[: args.eval_records], args.k)})
             LOG.info(f"val @ {step + 1}: {history[-1]}")
             head.train()
     head.eval()
@@ -205,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     forced = vocab.forced_ids(pair.tokenizer, pair.eos_ids)
     vocab_ids = vocab.choose_vocab(train_recs, min(args.vocab, pair.vocab_size), forced, pair.vocab_size)
     head = init_head(pair.target, vocab_ids, args.init_layer % pair.target.config.num_hidden_layers)
-    before = evaluate(head, val_recs, args.k)
+    before = evaluate(head, val_recs[: args.eval_records], args.k)
     LOG.info(f"before training: {before}")
     info = train(head, train_recs, val_recs, args, pair.pad_id)
     after = evaluate(head, val_recs, args.k)
@@ -221,7 +266,9 @@ def main(argv: list[str] | None = None) -> None:
             "params_stored": sum(t.numel() for t in head.stored_state().values()),
             "stored_dtype": "bfloat16",
         },
-        "training": {k: getattr(args, k) for k in ("seed", "steps", "batch_tokens", "lr", "cls_weight", "noise")}
+        "training": {
+            k: getattr(args, k) for k in ("seed", "steps", "batch_tokens", "lr", "cls_weight", "noise", "second_step")
+        }
         | {"train_s": info["train_s"], "train_tokens_seen": info["train_tokens"], "feature_rms": info["feature_rms"]},
         "data": {
             "sequences": len(data["records"]),
@@ -229,7 +276,13 @@ def main(argv: list[str] | None = None) -> None:
             "generation_s": round(data.get("gen_s", 0.0), 1),
             "prompts": "scripts/train_draft/prompts.json templates x topics; no Spec-Bench prompts",
         },
-        "validation": {"k": args.k, "before": before, "after": after, "history": info["history"]},
+        "validation": {
+            "k": args.k,
+            "held_out_answers": len(val_recs),
+            "before (first eval_records)": before,
+            "after": after,
+            "history (first eval_records)": info["history"],
+        },
         "command": args.command,
         "wall_time_s": round(time.time() - wall, 1),
     }

@@ -116,10 +116,12 @@ def bench(
                 bar.set_postfix_str(f"{c[0]} b={c[1]} k={c[2]}")
                 samples[c].append(run_one(pair, prompts, *c, params, proposer, options, decoders))
                 bar.update(1)
-    has_draft = samples[runs[0]][0]["proposer"] == "draft" and pair.draft is not None
+    name = samples[runs[0]][0]["proposer"]
+    drafter = {"draft": pair.draft, "eagle": pair.head}.get(name)  # a proposer with a model to time
+    has_draft = drafter is not None
     context = int(statistics.mean(len(p) for p in _encoded(pair, prompts)) + params.max_new_tokens / 2)
     widths = max((EngineConfig(method=m, k=kk).k_max for m, _, kk in runs if kk is not None), default=0)
-    costs = cost_table(pair.target, pair.draft if has_draft else None, sorted({b for _, b, _ in runs}), widths, context)
+    costs = cost_table(pair.target, drafter, sorted({b for _, b, _ in runs}), widths, context)
     report_runs = [_summarise(m, b, kk, samples[(m, b, kk)], costs, has_draft) for m, b, kk in runs]
     _ratios(report_runs)
     return {

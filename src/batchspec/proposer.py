@@ -4,6 +4,8 @@ that adaptive speculation (speculation.py) learns acceptance rates by; acceptanc
 
 - `DraftProposer`: a small causal LM with its own KV cache (role "draft" of the batch layout),
   optionally with a reduced-vocabulary head (`vocab_ids` maps head index -> full-vocabulary id).
+- `EagleProposer`: a draft head that reads the target's own final hidden states (eagle.py), in
+  the "draft" cache role; it has `features`, which the step fills from every target forward.
 - `NgramProposer`: prompt lookup in the row's own tokens; no model, no cache (role None).
 
 A row may propose fewer than k tokens (`num_proposed`); positions beyond are never accepted, so a
@@ -43,7 +45,9 @@ StopRule = Callable[[int, torch.Tensor], bool]
 class Proposer(Protocol):
     """What the step needs of a proposer. `role` names the cache it keeps in the batch layout
     (None: no model, no cache); `model` is that cache's model (None without one). `bins`: how many
-    confidence bins its `Proposal.signal` uses (what adaptive speculation learns acceptance by)."""
+    confidence bins its `Proposal.signal` uses (what adaptive speculation learns acceptance by).
+    A proposer with a model also has `feed(batch, ids)` (prefill); one that reads the target's
+    features has `features` (an eagle.Features, filled by every target forward of the step)."""
 
     role: str | None
     model: torch.nn.Module | None
