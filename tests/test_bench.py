@@ -67,6 +67,16 @@ def test_bench_cli_reports_every_field(tmp_path, capsys):
     assert "group_rate" in next(r for r in report["runs"] if r["method"] == "exspec")
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "vs spec1" in capsys.readouterr().out
+    assert report["costs"]["draft_ms"], "the proposer's model is timed (ar, run first, has none)"
+
+
+def test_bench_times_the_draft_head(tmp_path):
+    out = tmp_path / "b.json"
+    args = ["bench", "--pair", "tiny", "--methods", "ar,ragged", "--batch-sizes", "2", "--proposer", "eagle"]
+    assert main([*args, "--max-new-tokens", "6", "--quiet", "--json", str(out), "a prompt", "another one"]) == 0
+    report = json.loads(out.read_text())
+    assert report["costs"]["draft_ms"]["2"]["1"] > 0
+    assert {r["proposer"] for r in report["runs"] if r["method"] == "ragged"} == {"eagle"}
 
 
 def test_bench_passes_engine_options_to_every_run(tmp_path):

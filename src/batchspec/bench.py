@@ -116,7 +116,7 @@ def bench(
                 bar.set_postfix_str(f"{c[0]} b={c[1]} k={c[2]}")
                 samples[c].append(run_one(pair, prompts, *c, params, proposer, options, decoders))
                 bar.update(1)
-    name = samples[runs[0]][0]["proposer"]
+    name = next((s[0]["proposer"] for s in samples.values() if s[0]["proposer"]), None)  # ar has none
     drafter = {"draft": pair.draft, "eagle": pair.head}.get(name)  # a proposer with a model to time
     has_draft = drafter is not None
     context = int(statistics.mean(len(p) for p in _encoded(pair, prompts)) + params.max_new_tokens / 2)
