@@ -17,16 +17,7 @@ import time
 
 from batchspec import SamplingParams, SpecDecoder, load_pair
 from batchspec.costs import forward_seconds
-from batchspec.prompts import read_prompts
-
-
-def by_category(path: str, per_category: int) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for prompt in read_prompts(path):
-        bucket = out.setdefault(prompt.category or "all", [])
-        if len(bucket) < per_category:
-            bucket.append(prompt.text)
-    return out
+from batchspec.prompts import by_category
 
 
 def main() -> None:

@@ -13,19 +13,9 @@ from batchspec import SamplingParams, SpecDecoder
 from batchspec.costs import forward_seconds
 from batchspec.draft import load_default_draft
 from batchspec.models import load_pair
-from batchspec.prompts import read_prompts
+from batchspec.prompts import by_category
 
 LOG = logging.getLogger("train_draft")
-
-
-def prompts_by_category(path: str, per_category: int) -> dict[str, list[str]]:
-    """The first `per_category` prompts (first turns) of every category, in file order."""
-    out: dict[str, list[str]] = {}
-    for prompt in read_prompts(path):
-        bucket = out.setdefault(prompt.category or "all", [])
-        if len(bucket) < per_category:
-            bucket.append(prompt.text)
-    return out
 
 
 def cost_ratio(target, draft, context: int = 300, repeats: int = 25) -> dict:
@@ -49,7 +39,7 @@ def measure(args) -> dict:
     result = {"k": args.k, "max_new_tokens": args.eval_tokens, "per_category": {}, "spec1_tokens_per_s": {}}
     hist: dict[str, int] = {}
     first = {}  # category -> (its first prompt, spec1's tokens for it)
-    for cat, prompts in prompts_by_category(args.eval_specbench, args.eval_per_category).items():
+    for cat, prompts in by_category(args.eval_specbench, args.eval_per_category).items():
         outs = spec.generate(prompts, params)
         summary = spec.stats.summary()
         result["per_category"][cat] = round(summary["mean_accepted"], 3)

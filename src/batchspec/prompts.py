@@ -38,6 +38,16 @@ def read_prompts(path: str, limit: int | None = None, every: int = 1) -> list[Pr
     return prompts
 
 
+def by_category(path: str, per_category: int) -> dict[str, list[str]]:
+    """The first `per_category` prompt texts of every category, in file order ("all" without one)."""
+    out: dict[str, list[str]] = {}
+    for prompt in read_prompts(path):
+        bucket = out.setdefault(prompt.category or "all", [])
+        if len(bucket) < per_category:
+            bucket.append(prompt.text)
+    return out
+
+
 def _parse_json(line: str, path: str, number: int) -> Prompt:
     try:
         row = json.loads(line)
