@@ -51,3 +51,32 @@ def test_train_draft_tiny_end_to_end(tmp_path):
         logits = draft(ids, use_cache=False).logits
     assert logits.shape == (2, 5, VOCAB)
     assert bool(torch.isfinite(logits).all())
+
+
+def test_train_eagle_tiny_end_to_end(tmp_path):
+    """scripts/train_eagle.py on the tiny pair (the second-step loss on): saved weights that load
+    with batchspec.eagle and draft exactly in the engine."""
+    from batchspec import SamplingParams, SpecDecoder
+    from batchspec.eagle import load_head
+
+    out = tmp_path / "head.safetensors"
+    args = ["--pair", "tiny", "--data", str(tmp_path / "data.pt"), "--out", str(out), "--prompt-scale", "0.01"]
+    args += ["--article-tokens", "8", "--max-new-tokens", "6", "--gen-batch", "64", "--vocab", str(VOCAB)]
+    args += ["--steps", "3", "--batch-tokens", "512", "--eval-every", "2", "--log-every", "1", "--second-step", "0.5"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    script = os.path.join(ROOT, "scripts", "train_eagle.py")
+    run = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    meta = json.loads((tmp_path / "head.json").read_text(encoding="utf-8"))
+    assert meta["training"]["steps"] == 3 and meta["training"]["second_step"] == 0.5
+    assert meta["architecture"]["vocab_size_reduced"] == VOCAB
+    assert "sim_accepted" in meta["validation"]["after"]
+
+    pair = load_pair("tiny", dtype="float32", device="cpu")
+    pair.head = load_head(pair.target, torch.float32, path=str(out))
+    assert pair.head.vocab_ids.shape == (VOCAB,)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    params = SamplingParams(max_new_tokens=8)
+    ref = [o.token_ids for o in SpecDecoder(pair, method="reference").generate(prompts, params)]
+    dec = SpecDecoder(pair, method="ragged", proposer="eagle", k=3, check_invariants=True)
+    assert [o.token_ids for o in dec.generate(prompts, params)] == ref
