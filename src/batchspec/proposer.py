@@ -67,6 +67,7 @@ class DraftProposer:
 
     role = "draft"
     bins = 10
+    rewinds = False  # forget the drafting forwards' cache entries after each proposal (a head's)
 
     def __init__(self, model, vocab_size: int, vocab_ids: torch.Tensor | None = None):
         self.model = model
@@ -79,21 +80,28 @@ class DraftProposer:
         """Up to k tokens per row with as many forwards: the pending tokens first, then each new
         draft but the last (whose KV is never needed unless all are accepted; see realign.py's
         lag). `stop` may end drafting early for the whole batch."""
-        ids = batch.pending(self.role)
+        logits, carry = self._feed(batch, batch.pending(self.role))
+        mark = batch.mark(self.role) if self.rewinds else None
         drafts, bins = [], []
         for i in range(k):
-            logits = self.feed(batch, ids)[:, -1]
-            token, confidence = self._pick(logits, params, None if noise is None else noise[:, i])
+            token, confidence = self._pick(logits[:, -1], params, None if noise is None else noise[:, i])
             drafts.append(token)
             bins.append((confidence * self.bins).long().clamp(max=self.bins - 1))
-            if stop is not None and i < k - 1 and stop(i, torch.stack(bins, dim=1)):
+            if i == k - 1 or (stop is not None and stop(i, torch.stack(bins, dim=1))):
                 break
-            ids = token[:, None]
+            logits, carry = self._feed(batch, token[:, None], carry)
+        if self.rewinds:
+            batch.rewind(self.role, mark)
         return Proposal(torch.stack(drafts, dim=1), signal=torch.stack(bins, dim=1))
 
     def feed(self, batch: Layout, ids: torch.Tensor) -> torch.Tensor:
         """Feed ids [B, q] to the draft's cache in `batch`; logits of the last column [B, 1, V_head]."""
-        return forward(self.model, ids, batch.inputs(self.role, ids.shape[1]), last_only=True)
+        return self._feed(batch, ids)[0]
+
+    def _feed(self, batch: Layout, ids: torch.Tensor, carry=None):
+        """(logits of the last of ids [B, 1, V_head], what the next drafting forward needs besides
+        its token: nothing for a draft model)."""
+        return forward(self.model, ids, batch.inputs(self.role, ids.shape[1]), last_only=True), None
 
     def _pick(self, logits: torch.Tensor, params: RowParams, noise: torch.Tensor | None):
         """logits [B, V_head] -> (full ids [B], the draft's probability of each [B]: under its
@@ -119,37 +127,20 @@ class EagleProposer(DraftProposer):
     re-fed with the target's true features on the next step, so every cached entry is one the
     head computes from the tokens alone (what the invariant checker recomputes)."""
 
+    rewinds = True
+
     def __init__(self, model, vocab_size: int, hidden_size: int):
         super().__init__(model, vocab_size, model.vocab_ids)
         self.features = Features(hidden_size)
 
-    def feed(self, batch: Layout, ids: torch.Tensor) -> torch.Tensor:
-        return self._feed(batch, ids)[0]
-
-    def _feed(self, batch: Layout, ids: torch.Tensor, features: torch.Tensor | None = None):
+    def _feed(self, batch: Layout, ids: torch.Tensor, carry: torch.Tensor | None = None):
         """(logits [B, 1, V_head], predicted feature [B, 1, H]) of the last of ids [B, q]; the
-        feature inputs are the target's (`features` None) or the head's own previous prediction."""
+        feature inputs are the target's (`carry` None) or the head's own previous prediction."""
         inputs = batch.inputs(self.role, ids.shape[1])
-        if features is None:
-            features = self.features.read(batch.seqs, inputs["position_ids"], self.model.dtype)
-        out = self.model(input_ids=ids, features=features, use_cache=True, logits_to_keep=1, **inputs)
+        if carry is None:
+            carry = self.features.read(batch.seqs, inputs["position_ids"], self.model.dtype)
+        out = self.model(input_ids=ids, features=carry, use_cache=True, logits_to_keep=1, **inputs)
         return out.logits, out.hidden_states
-
-    def propose(
-        self, batch: Layout, k: int, params: RowParams, noise: torch.Tensor | None, stop: StopRule | None = None
-    ) -> Proposal:
-        logits, feature = self._feed(batch, batch.pending(self.role))
-        mark = batch.mark(self.role)
-        drafts, bins = [], []
-        for i in range(k):
-            token, confidence = self._pick(logits[:, -1], params, None if noise is None else noise[:, i])
-            drafts.append(token)
-            bins.append((confidence * self.bins).long().clamp(max=self.bins - 1))
-            if i == k - 1 or (stop is not None and stop(i, torch.stack(bins, dim=1))):
-                break
-            logits, feature = self._feed(batch, token[:, None], feature)
-        batch.rewind(self.role, mark)
-        return Proposal(torch.stack(drafts, dim=1), signal=torch.stack(bins, dim=1))
 
 
 class NgramProposer:
