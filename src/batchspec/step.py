@@ -32,7 +32,7 @@ from .sampling import RowParams, choose, probabilities, row_noise
 from .sequence import Sequence, Status
 from .speculation import Fixed, Speculation, timed
 from .stats import Stats
-from .verifier import forward, forward_features, verify
+from .verifier import target_forward, verify
 
 
 @runtime_checkable
@@ -140,13 +140,7 @@ def feed(ctx: Context, batch: Layout, role: str, ids: torch.Tensor) -> torch.Ten
     features are kept when the proposer reads them (`proposer.features`, eagle.py)."""
     if role != "target":
         return ctx.proposer.feed(batch, ids)
-    inputs = batch.inputs(role, ids.shape[1])
-    features = getattr(ctx.proposer, "features", None)
-    if features is None:
-        return forward(ctx.target, ids, inputs, last_only=True)
-    logits, hidden = forward_features(ctx.target, ids, inputs, last_only=True)
-    features.write(batch.seqs, inputs["position_ids"], hidden)
-    return logits
+    return target_forward(ctx.target, batch, ids, getattr(ctx.proposer, "features", None), last_only=True)
 
 
 def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:

@@ -20,20 +20,18 @@ def forward(model, ids: torch.Tensor, inputs: dict, last_only: bool = False) -> 
     return out.logits
 
 
-def forward_features(model, ids: torch.Tensor, inputs: dict, last_only: bool = False):
-    """`forward`, and the final hidden states [B, q, H] the LM head reads (what a feature-reading
-    draft head needs): the decoder, then the LM head on the kept columns, as the model itself does."""
-    hidden = model.get_decoder()(input_ids=ids, use_cache=True, **inputs).last_hidden_state
-    return model.get_output_embeddings()(hidden[:, -1:] if last_only else hidden), hidden
+def target_forward(target, batch: Layout, ids: torch.Tensor, features=None, last_only: bool = False) -> torch.Tensor:
+    """Feed ids [B, q] to the target's cache in `batch`: `forward`. `features` (an eagle.Features,
+    or None): also keep the target's final hidden states of these tokens, the ones its LM head
+    reads (the decoder, then the LM head on the kept columns, as the model itself does)."""
+    inputs = batch.inputs("target", ids.shape[1])
+    if features is None:
+        return forward(target, ids, inputs, last_only)
+    hidden = target.get_decoder()(input_ids=ids, use_cache=True, **inputs).last_hidden_state
+    features.write(batch.seqs, inputs["position_ids"], hidden)
+    return target.get_output_embeddings()(hidden[:, -1:] if last_only else hidden)
 
 
 def verify(target, batch: Layout, drafts: torch.Tensor, features=None) -> torch.Tensor:
-    """drafts [B, k] -> target logits [B, k+1, V] at `[last, d1..dk]`, in one forward pass.
-    `features` (an eagle.Features, or None): also keep the target's hidden states of these tokens."""
-    ids = torch.cat([batch.pending("target"), drafts], dim=1)
-    inputs = batch.inputs("target", ids.shape[1])
-    if features is None:
-        return forward(target, ids, inputs)
-    logits, hidden = forward_features(target, ids, inputs)
-    features.write(batch.seqs, inputs["position_ids"], hidden)
-    return logits
+    """drafts [B, k] -> target logits [B, k+1, V] at `[last, d1..dk]`, in one forward pass."""
+    return target_forward(target, batch, torch.cat([batch.pending("target"), drafts], dim=1), features)
