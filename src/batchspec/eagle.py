@@ -32,7 +32,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .draft import WEIGHTS_DIR, draft_config
 
 EAGLE_FILE = os.path.join(WEIGHTS_DIR, "smollm2_eagle.safetensors")
-EAGLE_META = os.path.join(WEIGHTS_DIR, "smollm2_eagle.json")
 SHARED = ("model.embed_tokens.weight", "head")  # the target's tensors, never stored
 
 
@@ -163,18 +162,6 @@ def reference_hidden(target, ids: torch.Tensor) -> torch.Tensor:
     return target.get_decoder()(input_ids=ids).last_hidden_state
 
 
-def build_head(target, state: dict[str, torch.Tensor], num_layers: int = 1) -> EagleHead:
-    """An EagleHead for `target` holding `state` (stored tensors), sharing the target's tensors."""
-    head = EagleHead(draft_config(target.config, num_layers), state["vocab_ids"])
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - set(SHARED):
-        lost = sorted(set(missing) - set(SHARED))
-        raise ValueError(f"head weights do not fit: missing {lost}, unexpected {unexpected}")
-    head.to(target.get_input_embeddings().weight.device)
-    head.share_target(target)
-    return head
-
-
 def save_head(head: EagleHead, meta: dict, weights: str = EAGLE_FILE, meta_file: str | None = None) -> None:
     """Write the weights (bf16, without the target's tensors) and the metadata JSON beside them."""
     os.makedirs(os.path.dirname(os.path.abspath(weights)), exist_ok=True)
@@ -185,12 +172,18 @@ def save_head(head: EagleHead, meta: dict, weights: str = EAGLE_FILE, meta_file:
 
 
 def load_head(target, dtype: torch.dtype | None = None, path: str = EAGLE_FILE) -> EagleHead:
-    """The shipped head for SmolLM2-135M-Instruct, offline, in `dtype` (default: the target's)."""
+    """The shipped head for SmolLM2-135M-Instruct, offline, in `dtype` (default: the target's),
+    sharing the target's embedding and output rows."""
     state = load_file(path)
     num_layers = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("model.layers."))
-    dtype = dtype or target.get_input_embeddings().weight.dtype
-    head = build_head(target, {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, num_layers)
-    for module in (head.fc, head.model.layers, head.model.norm):
-        module.to(dtype=dtype)
+    head = EagleHead(draft_config(target.config, num_layers), state["vocab_ids"])
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - set(SHARED):
+        lost = sorted(set(missing) - set(SHARED))
+        raise ValueError(f"head weights do not fit: missing {lost}, unexpected {unexpected}")
+    embedding = target.get_input_embeddings().weight
+    head.to(embedding.device)
+    for module in (head.fc, head.model.layers, head.model.norm):  # not the shared embedding
+        module.to(dtype=dtype or embedding.dtype)
     head.share_target(target)
     return head.eval()

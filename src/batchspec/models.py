@@ -125,11 +125,10 @@ def load_pair(
     result.target.to(device)
     if result.draft is not None:
         result.draft.to(device)
-    if result.head is not None and tp_size == 1:
-        result.head.to(device)
-        result.head.share_target(result.target)
-    elif tp_size > 1:
+    if tp_size > 1:
         result.head = None  # the head reads a whole target's features; not split across ranks yet
+    if result.head is not None:
+        result.head.to(device)  # its copy of the target's output rows too; the embedding is shared
     if result.draft_vocab_ids is not None:
         result.draft_vocab_ids = result.draft_vocab_ids.to(device)
     return result
@@ -199,7 +198,7 @@ def default_pair(dtype: torch.dtype, tp_size: int = 1) -> ModelPair:
     target, tokenizer = _load_gguf(smollm2_path(), dtype, tp_size)
     pair = _make_pair("default", target, load_default_draft(target, dtype), tokenizer)
     pair.draft_vocab_ids = pair.draft.vocab_ids
-    if os.path.exists(EAGLE_FILE):
+    if tp_size == 1 and os.path.exists(EAGLE_FILE):
         pair.head = load_head(target, dtype)
     # Measured on Spec-Bench (README, "The default pair"): prompt lookup beats the shipped draft on
     # CPU, so it is the default; the draft stays one flag away (--proposer draft).
