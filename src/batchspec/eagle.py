@@ -71,12 +71,19 @@ class EagleHead(torch.nn.Module):
         out = target.get_output_embeddings().weight.detach()
         self.head = out[self.vocab_ids.to(out.device)].to(self.fc.weight.dtype).clone()
 
-    def hidden(self, input_ids, features, attention_mask=None, position_ids=None, cache=None, use_cache=False):
+    def hidden(
+        self, input_ids, features, attention_mask=None, position_ids=None, cache=None, use_cache=False, row_spans=None
+    ):
         """ids [B, q], features [B, q, H] -> predicted features [B, q, H] (after the final norm)."""
         embeds = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight).to(self.dtype)
         x = self.fc(torch.cat([embeds, features.to(self.dtype)], dim=-1))
         out = self.model(
-            inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache
+            inputs_embeds=x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            row_spans=row_spans,
         )
         return out.last_hidden_state
 
@@ -89,9 +96,10 @@ class EagleHead(torch.nn.Module):
         cache=None,
         use_cache: bool = True,
         logits_to_keep: int = 0,
+        row_spans: list | None = None,  # attention.segments' runs (ragged layout)
         **_ignored,
     ) -> CausalLMOutputWithPast:
-        hidden = self.hidden(input_ids, features, attention_mask, position_ids, cache, use_cache)
+        hidden = self.hidden(input_ids, features, attention_mask, position_ids, cache, use_cache, row_spans)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return CausalLMOutputWithPast(logits=hidden @ self.head.T, hidden_states=hidden)

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from . import kv, tp
+from . import attention, kv, tp
 from .errors import BatchspecError
 from .tiny import byte_tokenizer, tiny_config, tiny_head, tiny_models
 
@@ -300,7 +300,7 @@ def _from_pretrained(spec: str, dtype: torch.dtype, extra: dict):
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
-    return model.eval(), tokenizer
+    return attention.install(model.eval()), tokenizer
 
 
 def check_supported(model, role: str) -> None:

@@ -19,14 +19,16 @@ up front. A paged pool (memory = tokens held) was built and measured: on CPU its
 gather of every row's pages made `ragged` 2.4x slower at B = 8 (docs/benchmarks.md), so the
 contiguous slots stay.
 
-The price: attention runs over slots up to the longest running row for every row (masked).
+Attention reads each row's slots up to its own end, or up to the longest row of its run: the
+forward's rows are cut into runs of similar ends when that saves more than a kernel call costs
+(attention.py), so a short row's step does not cost what a long row's does.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import kv
+from . import attention, kv
 from .batch import PaddedBatch
 from .errors import BatchspecError
 from .loop import Loop
@@ -114,7 +116,8 @@ class RaggedBatch:
         self.peak_tokens = max(self.peak_tokens, self.capacity * cache.slots)
         mask = torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None]  # [n, q, span]
         self.heads[role][:n] = start + q
-        return {"attention_mask": mask[:, None], "position_ids": positions, "cache": cache}
+        runs = attention.segments((positions[:, -1] + 1).tolist())  # each run attends to its own span
+        return {"attention_mask": mask[:, None], "position_ids": positions, "cache": cache, "row_spans": runs}
 
     def mark(self, role: str) -> torch.Tensor:
         """What `rewind` returns `role` to: each row's next write slot now."""
@@ -157,6 +160,12 @@ class RaggedBatch:
                 self.counts[role][len(self.seqs) + i] = kv.count(entries)
         self.incoming -= len(batch.seqs)
         self.seqs.extend(batch.seqs)
+
+    def attended_span(self) -> int:
+        """Slots a row's attention reads next step, on average (each run of rows reads up to its
+        longest row: attention.segments)."""
+        runs = attention.segments([len(s) for s in self.seqs])
+        return sum((z - a) * span for a, z, span in runs) // len(self.seqs)
 
     def tokens_held(self) -> int:
         """Target entries held by the running rows."""

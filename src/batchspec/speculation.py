@@ -116,7 +116,7 @@ class Adaptive:
     # --- before proposing -----------------------------------------------------------------
     def plan(self, batch) -> int:
         """Drafts to ask the proposer for: k_max, or 0 when no width can beat a plain step."""
-        rows, span = len(batch.seqs), _span(batch)
+        rows, span = len(batch.seqs), attended_span(batch)
         r = self._ratios(batch.seqs)
         # A cheap proposer (lookup) is asked unless even its best bin could not pay; a model only
         # when the acceptance seen so far, whatever the bin, can.
@@ -133,7 +133,7 @@ class Adaptive:
         """For a drafting proposer: stop once one more draft is expected to lower the rate."""
         if self.proposer.model is None:
             return None
-        rows, span = len(batch.seqs), _span(batch)
+        rows, span = len(batch.seqs), attended_span(batch)
         r = self._ratios(batch.seqs)
 
         def stop(i: int, bins: torch.Tensor) -> bool:
@@ -153,7 +153,7 @@ class Adaptive:
         drafts = proposal.drafts.shape[1]
         if drafts == 0:
             return 0
-        rows, span = len(batch.seqs), _span(batch)
+        rows, span = len(batch.seqs), attended_span(batch)
         a = self._estimates(proposal.signal.cpu(), self._ratios(batch.seqs))
         if proposal.num_proposed is not None:
             a = a * (torch.arange(drafts)[None, :] < proposal.num_proposed.cpu()[:, None])
@@ -261,9 +261,11 @@ def _shrunk(hits: torch.Tensor, seen: torch.Tensor, prior: torch.Tensor) -> torc
     return out
 
 
-def _span(batch) -> int:
-    """The attention span of the batch's next forward, near enough: its longest row."""
-    return max(len(s) for s in batch.seqs)
+def attended_span(batch) -> int:
+    """The slots a row's attention reads in the batch's next forward, on average, near enough: the
+    longest row's length, or what the layout says (the ragged layout cuts rows into runs)."""
+    own = getattr(batch, "attended_span", None)
+    return own() if own is not None else max(len(s) for s in batch.seqs)
 
 
 def timed(device) -> float:

@@ -30,7 +30,7 @@ from .batch import PaddedBatch
 from .proposer import Proposal, Proposer
 from .sampling import RowParams, choose, probabilities, row_noise
 from .sequence import Sequence, Status
-from .speculation import Fixed, Speculation, timed
+from .speculation import Fixed, Speculation, attended_span, timed
 from .stats import Stats
 from .verifier import target_forward, verify
 
@@ -147,7 +147,7 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
     """One speculative (or plain) step for every row; the speculation policy chooses how many
     drafts to ask for and how many to verify. Returns the finished rows."""
     stats, policy = ctx.stats, ctx.speculation
-    seqs, span = list(batch.seqs), max(len(s) for s in batch.seqs)
+    seqs, span = list(batch.seqs), attended_span(batch)
     params = RowParams.of([s.params for s in seqs], ctx.device)
     started = timed(ctx.device)
     # Choices from clocks are rank 0's on every tensor-parallel rank (tp.agree; a no-op otherwise).

@@ -14,6 +14,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from . import attention
+
 SPECIALS = ("<pad>", "<s>", "</s>")  # ids 256, 257, 258
 
 
@@ -56,8 +58,8 @@ def tiny_models(
 ) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
     """(target, draft): the draft is the target with each weight perturbed by noise x its std."""
     torch.manual_seed(seed)
-    target = LlamaForCausalLM(config).eval()
-    draft = LlamaForCausalLM(config).eval()
+    target = attention.install(LlamaForCausalLM(config).eval())
+    draft = attention.install(LlamaForCausalLM(config).eval())
     draft.load_state_dict(target.state_dict())
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

@@ -32,6 +32,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from . import attention
 from .errors import BatchspecError
 
 LAUNCHER_ENV = "WORLD_SIZE"  # set by torchrun / torch.distributed.run for every rank
@@ -153,7 +154,8 @@ def shard(model, n: int):
         model.config.to_json_file(os.path.join(folder, "config.json"))
         save_model(model, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
         dtype = next(model.parameters()).dtype
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **from_pretrained_options(n)).eval()
+        sharded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **from_pretrained_options(n))
+        return attention.install(sharded.eval())
 
 
 def finish() -> None:
