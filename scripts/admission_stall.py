@@ -27,7 +27,7 @@ def timeline(dec: SpecDecoder, short: list, long: list, chunk: int | None, arriv
     """Per-iteration seconds and what the iteration did, for 8 short rows and one late arrival."""
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     seqs = dec.make_sequences(short + [long], params, chat_template=False)
-    ctx = Context(dec.pair.target, dec.proposer, params, dec.config.k, dec.pair.pad_id, dec.pair.device)
+    ctx = Context(dec.pair.target, dec.proposer, dec.config.k_max, dec.pair.pad_id, dec.pair.device)
     budget = 16 * 2048
     batch = RaggedBatch(ctx.models(), len(seqs), budget, ctx.k, ctx.pad_id, ctx.device)
     admission = Admission(ctx, fixed_chunk=chunk)

@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 
 SeqKV = list[tuple[torch.Tensor, torch.Tensor]]
 RESERVE = 32  # spare columns allocated past the width whenever entries are moved
+SLOT_BLOCK = 64  # a SlotCache's slots grow in multiples of this
 
 
 class BufferLayer(CacheLayerMixin):
@@ -248,8 +249,8 @@ class SlotLayer(CacheLayerMixin):
 
 class SlotCache(Cache):
     """A transformers Cache over per-row slots [capacity, H_kv, slots, D] per layer. Row r's
-    entries are its slots 0..; rows 0..n-1 run. The slot dimension grows (doubling) when a row
-    needs more, so memory follows the longest running row, not the longest request up front;
+    entries are its slots 0..; rows 0..n-1 run. The slot dimension grows when a row that needs
+    more is admitted, so memory follows the longest running request, not the longest one up front;
     attention reads views of the buffers, never a gathered copy. Before each forward `prepare`
     sets the write index [n, q] and the span attended."""
 
@@ -276,10 +277,11 @@ class SlotCache(Cache):
         return 2 * len(self.layers) * self.heads * self.dim * self.layers[0].keys.element_size()
 
     def ensure(self, slots: int) -> None:
-        """Make every row able to hold `slots` entries (the buffers double, entries are kept)."""
+        """Make every row able to hold `slots` entries (rounded up to SLOT_BLOCK; entries are kept).
+        The ragged batch asks once per admission, for the newcomers' worst case."""
         if slots <= self.slots:
             return
-        new = max(slots, 2 * self.slots)
+        new = -(-slots // SLOT_BLOCK) * SLOT_BLOCK
         for layer in self.layers:
             for name in ("keys", "values"):
                 old = getattr(layer, name)

@@ -14,8 +14,8 @@ copied in once.
 Memory: `kv_budget_tokens` bounds the tokens reserved across all rows. A sequence is admitted
 only when its worst case (prompt + max_new_tokens + k + 1 draft slots) fits beside the
 reservations of the running rows, so a running row never waits for memory. The slot dimension S
-grows with the longest running row (capacity x S tokens allocated), not with the longest request
-up front. A paged pool (memory = tokens held) was built and measured: on CPU its per-forward
+grows when a sequence is admitted, to the worst case of the longest request admitted so far
+(capacity x S tokens allocated), once, not as rows fill and not for the longest request up front. A paged pool (memory = tokens held) was built and measured: on CPU its per-forward
 gather of every row's pages made `ragged` 2.4x slower at B = 8 (docs/benchmarks.md), so the
 contiguous slots stay.
 
@@ -78,8 +78,11 @@ class RaggedBatch:
         return self.free > len(extra) and self.reserved + want <= self.budget
 
     def reserve(self, seqs: list[Sequence]) -> None:
-        """Hold a row and worst-case budget for each of `seqs` while they are prefilled."""
+        """Hold a row and worst-case budget for each of `seqs` while they are prefilled, and slots
+        for their worst case (growing the buffers once here, not as they fill)."""
         self.reserved += sum(need(s, self.k) for s in seqs)
+        for cache in self.caches.values():
+            cache.ensure(max(need(s, self.k) for s in seqs))
         self.incoming += len(seqs)
 
     def unreserve(self, seqs: list[Sequence]) -> None:
