@@ -15,9 +15,9 @@ Memory: `kv_budget_tokens` bounds the tokens reserved across all rows. A sequenc
 only when its worst case (prompt + max_new_tokens + k + 1 draft slots) fits beside the
 reservations of the running rows, so a running row never waits for memory. The slot dimension S
 grows when a sequence is admitted, to the worst case of the longest request admitted so far
-(capacity x S tokens allocated), once, not as rows fill and not for the longest request up front. A paged pool (memory = tokens held) was built and measured: on CPU its per-forward
-gather of every row's pages made `ragged` 2.4x slower at B = 8 (docs/benchmarks.md), so the
-contiguous slots stay.
+(capacity x S tokens allocated), once, not as rows fill and not for the longest request up front.
+A paged pool (memory = tokens held) was built and measured: on CPU its per-forward gather of every
+row's pages made `ragged` 2.4x slower at B = 8 (docs/benchmarks.md), so the contiguous slots stay.
 
 Attention reads each row's slots up to its own end, or up to the longest row of its run: the
 forward's rows are cut into runs of similar ends when that saves more than a kernel call costs
