@@ -6,6 +6,7 @@ rows' iterations grow by at most one chunk's cost; without it (one chunk = the w
 iteration pays the entire prefill. Both are run in the same process, on the same prompts.
 
     python scripts/admission_stall.py [--prompts ../shared/data/spec_bench/question.jsonl] [--dtype float32]
+        [--pair default|tiny] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -75,11 +76,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", default="../shared/data/spec_bench/question.jsonl")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--pair", default="default", help="built-in pair (tiny: a quick check of the script)")
     ap.add_argument("--json", help="write the timelines and summaries here")
     args = ap.parse_args()
     from batchspec.prompts import read_prompts
 
-    pair = load_pair("default", dtype=args.dtype)
+    pair = load_pair(args.pair, dtype=args.dtype)
     texts = [p.text for p in read_prompts(args.prompts)]
     encoded = sorted((pair.encode(t) for t in texts), key=len)
     short, long = encoded[:8], encoded[-1]

@@ -1,0 +1,30 @@
+"""scripts/admission_stall.py end to end on the tiny pair: every run decodes all rows, the late
+long prompt is prefilled whole when unchunked and over several iterations when chunked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_admission_stall_tiny(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(["short prompt number %d" % i for i in range(8)] + ["a long one " * 60]) + "\n")
+    out = tmp_path / "stall.json"
+    args = ["--pair", "tiny", "--prompts", str(prompts), "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    script = os.path.join(ROOT, "scripts", "admission_stall.py")
+    run = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["long_prompt_tokens"] == max(report["short_prompt_tokens"] + [report["long_prompt_tokens"]])
+    whole, chunked = report["whole prompt at once"], report["chunk 128"]
+    # a chunk of at most 128 prompt tokens per iteration
+    assert sum(r["chunked"] for r in chunked["timeline"]) >= report["long_prompt_tokens"] // 128 >= 5
+    assert sum(r["chunked"] for r in whole["timeline"]) == 0  # one prefill of the whole prompt
+    for run_ in (whole, chunked, report["measured chunk"]):
+        assert max(r["rows"] for r in run_["timeline"]) == 9  # the late prompt joined the 8 rows
