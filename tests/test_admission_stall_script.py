@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_admission_stall_tiny(tmp_path):
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(["short prompt number %d" % i for i in range(8)] + ["a long one " * 60]) + "\n")
+    prompts.write_text("\n".join([f"short prompt number {i}" for i in range(8)] + ["a long one " * 60]) + "\n")
     out = tmp_path / "stall.json"
     args = ["--pair", "tiny", "--prompts", str(prompts), "--json", str(out)]
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
