@@ -1,0 +1,74 @@
+"""Target forward times with transformers' SDPA attention against batchspec's (attention.py), over
+ragged-layout caches: uniform rows, and rows of mixed lengths (cut into runs by batchspec).
+
+    python scripts/attention_cost.py [--pair default] [--dtype float32] [--widths 1,2,3,5,7] [--json OUT]
+
+Prints one line per shape: ms per forward (median of --repeats) for each attention and width.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from batchspec import attention, kv, load_pair
+
+SHAPES = {  # name -> the rows' cached lengths
+    "B=1, 300": [300],
+    "B=8, 300": [300] * 8,
+    "B=8, 1200": [1200] * 8,
+    "B=16, 300": [300] * 16,
+    "B=16, 1200": [1200] * 16,
+    "B=16, 4 x 1500 + 12 x 200": [1500] * 4 + [200] * 12,
+}
+
+
+@torch.inference_mode()
+def forward_ms(model, lengths: list[int], q: int, impl: str, repeats: int) -> float:
+    """Median ms of one forward of q tokens per row after `lengths` cached slots (contents do not
+    matter to the time), as the ragged layout feeds it."""
+    rows, dtype = len(lengths), next(model.parameters()).dtype
+    cache = kv.SlotCache(model.config, dtype, "cpu", rows, first_slots=max(lengths) + q)
+    positions = torch.tensor(lengths)[:, None] + torch.arange(q)[None, :]
+    cache.prepare(rows, positions)
+    mask = (torch.arange(cache.span)[None, None, :] <= positions[:, :, None])[:, None]
+    extra = {"row_spans": attention.segments((positions[:, -1] + 1).tolist())} if impl == attention.NAME else {}
+    ids = torch.zeros(rows, q, dtype=torch.long)
+    model.config._attn_implementation = impl
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, **extra)
+        times.append(time.perf_counter() - start)
+    model.config._attn_implementation = attention.NAME
+    return 1e3 * statistics.median(times[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", default="default")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--widths", default="1,2,3,5,7", help="query tokens per row to time")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", help="write the times here")
+    args = ap.parse_args()
+    target = load_pair(args.pair, dtype=args.dtype).target
+    widths = [int(w) for w in args.widths.split(",")]
+    out = {}
+    print(f"{'shape':<28} {'attention':<10} " + " ".join(f"q={q:<6}" for q in widths))
+    for name, lengths in SHAPES.items():
+        for impl in ("sdpa", attention.NAME):
+            times = [forward_ms(target, lengths, q, impl, args.repeats) for q in widths]
+            out.setdefault(name, {})[impl] = dict(zip(map(str, widths), times))
+            print(f"{name:<28} {impl:<10} " + " ".join(f"{t:<8.1f}" for t in times), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
