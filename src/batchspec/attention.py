@@ -80,7 +80,10 @@ def _one(module, query, key, value, mask, scaling, dropout) -> torch.Tensor:
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention signature. `row_spans` (a kwarg of the forward, from the ragged
     layout): the runs of `segments`, each attending over its own span of the keys."""
-    if attention_mask is None or kwargs.get("output_attentions"):
+    only_stock = kwargs.get("output_attentions") or any(
+        kwargs.get(name) is not None for name in ("softcap", "sliding_window", "position_bias")
+    )  # features only transformers' function implements
+    if attention_mask is None or only_stock:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     runs = kwargs.get("row_spans") or [(0, query.shape[0], key.shape[2])]
     parts = [
