@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import subprocess
+import sys
 
 import torch
 
@@ -13,6 +16,19 @@ from batchspec import SamplingParams, SpecDecoder
 def random_prompts(seed: int, n: int, lo: int = 1, hi: int = 64, vocab: int = 256) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(name: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """Run scripts/<name> with this checkout's package, offline; assert it exits 0."""
+    src = os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "PYTHONPATH": src, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    script = os.path.join(ROOT, "scripts", name)
+    run = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=timeout)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
 
 
 _REFERENCE: dict[int, tuple] = {}  # id(pair) -> (pair, {key: tokens}); holding the pair keeps its id unique

@@ -4,22 +4,15 @@ long prompt is prefilled whole when unchunked and over several iterations when c
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import run_script
 
 
 def test_admission_stall_tiny(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join([f"short prompt number {i}" for i in range(8)] + ["a long one " * 60]) + "\n")
     out = tmp_path / "stall.json"
-    args = ["--pair", "tiny", "--prompts", str(prompts), "--json", str(out)]
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
-    script = os.path.join(ROOT, "scripts", "admission_stall.py")
-    run = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run_script("admission_stall.py", "--pair", "tiny", "--prompts", str(prompts), "--json", str(out))
     report = json.loads(out.read_text())
     assert report["long_prompt_tokens"] == max(report["short_prompt_tokens"] + [report["long_prompt_tokens"]])
     whole, chunked = report["whole prompt at once"], report["chunk 128"]

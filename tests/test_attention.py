@@ -4,14 +4,11 @@ attention; the ragged layout cut into runs stays equal to the reference; the ora
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import decode, random_prompts, reference_tokens
+from helpers import decode, random_prompts, reference_tokens, run_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -97,13 +94,8 @@ def test_ragged_cut_into_runs_equals_reference(tiny64, seed, batch, k):
 
 def test_attention_cost_script_tiny(tmp_path):
     """scripts/attention_cost.py runs on the tiny pair and times both attentions at every shape."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "times.json"
-    args = ["--pair", "tiny", "--widths", "1,3", "--repeats", "1", "--json", str(out)]
-    env = {**os.environ, "PYTHONPATH": os.path.join(root, "src")}
-    script = os.path.join(root, "scripts", "attention_cost.py")
-    run = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run_script("attention_cost.py", "--pair", "tiny", "--widths", "1,3", "--repeats", "1", "--json", str(out))
     times = json.loads(out.read_text())
     assert len(times) == 6 and all(set(t) == {"sdpa", "batchspec"} for t in times.values())
     assert all(set(ms) == {"1", "3"} and min(ms.values()) > 0 for t in times.values() for ms in t.values())

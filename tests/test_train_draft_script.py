@@ -5,17 +5,13 @@ offline. The saved weights must load with batchspec.draft and give logits over t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import torch
+from helpers import run_script
 
 from batchspec.draft import load_default_draft
 from batchspec.models import load_pair
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "train_draft")
 VOCAB = 48
 
 
@@ -28,9 +24,7 @@ def test_train_draft_tiny_end_to_end(tmp_path):
     args += ["--article-tokens", "8", "--max-new-tokens", "6", "--gen-batch", "64", "--vocab", str(VOCAB)]
     args += ["--steps", "2", "--batch-tokens", "512", "--eval-every", "1", "--log-every", "1"]
     args += ["--eval-specbench", str(bench), "--eval-per-category", "2", "--eval-tokens", "4", "--eval-exact", "2"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = run_script("train_draft", *args)
     assert "after training" in run.stdout
 
     meta = json.loads((tmp_path / "draft.json").read_text(encoding="utf-8"))
@@ -63,10 +57,7 @@ def test_train_eagle_tiny_end_to_end(tmp_path):
     args = ["--pair", "tiny", "--data", str(tmp_path / "data.pt"), "--out", str(out), "--prompt-scale", "0.01"]
     args += ["--article-tokens", "8", "--max-new-tokens", "6", "--gen-batch", "64", "--vocab", str(VOCAB)]
     args += ["--steps", "3", "--batch-tokens", "512", "--eval-every", "2", "--log-every", "1", "--second-step", "0.5"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    script = os.path.join(ROOT, "scripts", "train_eagle.py")
-    run = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_script("train_eagle.py", *args)
     meta = json.loads((tmp_path / "head.json").read_text(encoding="utf-8"))
     assert meta["training"]["steps"] == 3 and meta["training"]["second_step"] == 0.5
     assert meta["architecture"]["vocab_size_reduced"] == VOCAB
