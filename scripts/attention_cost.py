@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
-import torch
-
-from batchspec import attention, kv, load_pair
+from batchspec import attention, load_pair
+from batchspec.costmodel import time_rows
 
 SHAPES = {  # name -> the rows' cached lengths
     "B=1, 300": [300],
@@ -27,25 +24,14 @@ SHAPES = {  # name -> the rows' cached lengths
 }
 
 
-@torch.inference_mode()
 def forward_ms(model, lengths: list[int], q: int, impl: str, repeats: int) -> float:
-    """Median ms of one forward of q tokens per row after `lengths` cached slots (contents do not
-    matter to the time), as the ragged layout feeds it."""
-    rows, dtype = len(lengths), next(model.parameters()).dtype
-    cache = kv.SlotCache(model.config, dtype, "cpu", rows, first_slots=max(lengths) + q)
-    positions = torch.tensor(lengths)[:, None] + torch.arange(q)[None, :]
-    cache.prepare(rows, positions)
-    mask = (torch.arange(cache.span)[None, None, :] <= positions[:, :, None])[:, None]
-    extra = {"row_spans": attention.segments((positions[:, -1] + 1).tolist())} if impl == attention.NAME else {}
-    ids = torch.zeros(rows, q, dtype=torch.long)
+    """Median ms of one forward of q tokens per row after `lengths` cached slots, as the ragged
+    layout feeds it, with attention implementation `impl`."""
     model.config._attn_implementation = impl
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        start = time.perf_counter()
-        model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, **extra)
-        times.append(time.perf_counter() - start)
-    model.config._attn_implementation = attention.NAME
-    return 1e3 * statistics.median(times[1:])
+    try:
+        return 1e3 * time_rows(model, lengths, q, repeats)
+    finally:
+        model.config._attn_implementation = attention.NAME
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from collections import deque
 
 import torch
 
-from . import kv
+from . import attention, kv
 
 #: A probe counts as a quarter of a timed step: the steps actually run soon dominate the fit.
 PROBE_WEIGHT = 0.25
@@ -121,16 +121,22 @@ class StepCost:
         return {str(q): ms(m) for q, m in self.widths.items()} | {"correction": ms(self.correction)}
 
 
-@torch.inference_mode()
 def time_forward(model, rows: int, q: int, span: int, repeats: int = 1) -> float:
-    """Median seconds of one forward of q tokens for `rows` rows over `span` cached slots (their
-    contents are irrelevant to the time, so nothing is prefilled)."""
-    device = next(model.parameters()).device
-    cache = kv.SlotCache(model.config, next(model.parameters()).dtype, device, rows, first_slots=span + q)
-    positions = (span + torch.arange(q, device=device))[None, :].expand(rows, q)
-    mask = (torch.arange(span + q, device=device)[None, None, :] <= positions[:, :, None])[:, None]
+    """Median seconds of one forward of q tokens for `rows` rows over `span` cached slots."""
+    return time_rows(model, [span] * rows, q, repeats)
+
+
+@torch.inference_mode()
+def time_rows(model, lengths: list[int], q: int, repeats: int = 1) -> float:
+    """Median seconds of one forward of q tokens per row after each row's `lengths` cached slots,
+    fed as the ragged layout feeds it (row runs included; the slots' contents are irrelevant to
+    the time, so nothing is prefilled)."""
+    device, rows = next(model.parameters()).device, len(lengths)
+    cache = kv.SlotCache(model.config, next(model.parameters()).dtype, device, rows, first_slots=max(lengths) + q)
+    positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(q, device=device)[None, :]
+    mask = (torch.arange(max(lengths) + q, device=device)[None, None, :] <= positions[:, :, None])[:, None]
     ids = torch.zeros(rows, q, dtype=torch.long, device=device)
-    extra = {}
+    extra = {"row_spans": attention.segments((positions[:, -1] + 1).tolist())}
     if getattr(model, "needs_features", False):  # a draft head (eagle.py) also reads features
         extra["features"] = torch.zeros(rows, q, model.config.hidden_size, dtype=model.dtype, device=device)
     times = []
