@@ -26,8 +26,8 @@ METHODS = ("spec1", "eqspec", "exspec", "ragged")
 class RandomK:
     """A policy that asks for, stops at and verifies random numbers of drafts (seeded)."""
 
-    def __init__(self, seed: int, k_max: int = 5):
-        self.rng, self.k_max = random.Random(seed), k_max
+    def __init__(self, seed: int, k_max: int = 5, lazy: bool = False):
+        self.rng, self.k_max, self.lazy = random.Random(seed), k_max, lazy
 
     def plan(self, batch) -> int:
         return self.rng.choice([0, 1, self.k_max, self.rng.randint(1, self.k_max)])
@@ -74,6 +74,56 @@ def test_any_choice_of_k_per_step_equals_reference(tiny64, seed, n, batch, metho
     )
     assert got == reference_tokens(tiny64, prompts, 24)
     assert sum(stats.chosen_k.values()) == stats.row_steps
+
+
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 8),
+    batch=st.integers(1, 5),
+    proposer=st.sampled_from(["draft", "eagle"]),
+    chunk=st.sampled_from([None, 5, 16]),
+)
+def test_lazy_policy_warms_the_draft_when_it_drafts(tiny64, seed, n, batch, proposer, chunk):
+    """A lazy policy: rows are admitted (whole or in chunks) without the draft's prefill, and the
+    ragged batch feeds the draft a row's tokens at the first step that drafts; the draft's cache is
+    checked after every step (invariants) and the output equals the reference."""
+    prompts = random_prompts(seed, n, 1, 40)
+    got, _ = _decode(
+        tiny64,
+        prompts,
+        SamplingParams(max_new_tokens=20),
+        RandomK(seed, lazy=True),
+        method="ragged",
+        batch_size=batch,
+        proposer=proposer,
+        k=5,
+        prefill_chunk=chunk,
+    )
+    assert got == reference_tokens(tiny64, prompts, 20)
+
+
+class Never(RandomK):
+    """A policy that never drafts."""
+
+    def plan(self, batch) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_lazy_policy_that_never_drafts_never_runs_the_draft(tiny64, lazy):
+    """The k = 0 arm has no tax: under a lazy policy the draft model never runs, not even to
+    prefill (an eager one prefills it at admission)."""
+    dec = SpecDecoder(tiny64, method="ragged", batch_size=3, proposer="draft", k=4, check_invariants=True)
+    dec.speculation = Never(0, lazy=lazy)
+    calls = []
+    hook = dec.proposer.model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        prompts = random_prompts(5, 6, 2, 30)
+        got = [o.token_ids for o in dec.generate(prompts, SamplingParams(max_new_tokens=12))]
+    finally:
+        hook.remove()
+    assert got == reference_tokens(tiny64, prompts, 12)
+    assert (len(calls) == 0) == lazy, len(calls)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -12,6 +12,9 @@ both exponential averages of the steps and prefills actually timed, so prefill a
 of a step to each step. While no row is running there is nothing to stall, and every waiting
 prompt that fits is prefilled at once.
 
+A policy that often drafts nothing (`-k auto`) leaves the proposer's cache empty here: the batch
+feeds it a row's tokens when a step first drafts for that row (`RaggedBatch.warm`).
+
 Invariant: a sequence holds a row and its worst-case KV budget (`batch.reserve`) from the moment
 its prefill starts, so it can always be moved in when complete.
 """
@@ -113,7 +116,7 @@ class Admission:
         if limit is not None and left > limit:
             start = time.perf_counter()
             with self.ctx.stats.stage("prefill"):
-                for role in self.ctx.models():
+                for role in _roles(self.ctx, batch):
                     feed(self.ctx, part, role, part.pending(role)[:, :limit])
             self._observe_prefill(limit, time.perf_counter() - start)
             self.chunks += 1
@@ -140,10 +143,16 @@ class Admission:
     def _complete(self, batch, part: PaddedBatch, tokens: int) -> list[Sequence]:
         """Prefill what `part` lacks (first token included) and move its live rows into `batch`."""
         start = time.perf_counter()
-        finished = prefill(self.ctx, part)
+        finished = prefill(self.ctx, part, _roles(self.ctx, batch))
         self._observe_prefill(tokens, time.perf_counter() - start)
         batch.unreserve(finished)
         if len(part):
             with self.ctx.stats.stage("schedule"):
                 batch.admit(part)
         return finished
+
+
+def _roles(ctx: Context, batch) -> list[str]:
+    """Roles a prompt is fed to at admission: a lazy policy's proposer cache is fed later, by the
+    batch (`warm`), if it can."""
+    return ctx.admitted_roles() if hasattr(batch, "warm") else list(ctx.models())

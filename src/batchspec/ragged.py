@@ -6,6 +6,10 @@ slots o_b .. o_b + q - 1 (one scatter per layer) with positions o_b + i and a 4-
 query i of row b sees slots j <= o_b + i. Rejected drafts are rolled back by not counting them:
 their slots are overwritten next step. No unpad, no repad; attention reads views of the buffers.
 
+Under a lazy speculation policy (`-k auto`) a sequence is admitted with no draft entries; `warm`
+feeds the draft its tokens when a step first drafts for it (a policy that drafts nothing never pays
+for the draft's prefill).
+
 Rows 0 .. n-1 run; a row that finishes is replaced by the last row (one row copy). Waiting
 sequences are admitted into free rows while others decode: prefilled in bounded chunks between
 steps (admission.py; a long prompt neither pads short ones nor stalls the running rows), then
@@ -33,6 +37,7 @@ from .batch import PaddedBatch
 from .errors import BatchspecError
 from .loop import Loop
 from .sequence import Sequence
+from .static import length_buckets
 from .step import Context
 
 #: Offline admission's chunk: unbounded (measured: chunking offline cost `ragged` 0.91x -> 0.66x `ar`
@@ -159,10 +164,33 @@ class RaggedBatch:
         starts = batch.pad_left.tolist()
         for role, cache in batch.caches.items():
             for i, entries in enumerate(kv.split(cache, starts)):
-                self.caches[role].install(len(self.seqs) + i, entries)
+                if entries:  # a role not fed at admission (lazy) holds none: `warm` feeds it later
+                    self.caches[role].install(len(self.seqs) + i, entries)
                 self.counts[role][len(self.seqs) + i] = kv.count(entries)
         self.incoming -= len(batch.seqs)
         self.seqs.extend(batch.seqs)
+
+    def warm(self, proposer) -> int:
+        """Feed `proposer`'s cache the committed tokens (all but the last, as a prefill leaves it)
+        of every row that holds none: rows admitted while a lazy policy drafted nothing. One
+        padded forward per length bucket, each row's entries copied in once. Returns the rows fed."""
+        role, n = proposer.role, len(self.seqs)
+        cold = sorted(
+            (b for b in range(n) if int(self.counts[role][b]) == 0 and len(self.seqs[b]) > 1),
+            key=lambda b: len(self.seqs[b]),
+        )
+        first = 0
+        for size in length_buckets([len(self.seqs[b]) for b in cold]):
+            rows = cold[first : first + size]
+            first += size
+            part = PaddedBatch(
+                [self.seqs[b] for b in rows], {role: kv.empty(proposer.model.config)}, self.pad_id, self.device
+            )
+            proposer.feed(part, part.pending(role)[:, :-1])  # rows are right-aligned: each drops its last
+            for b, entries in zip(rows, kv.split(part.caches[role], part.pad_left.tolist())):
+                self.caches[role].install(b, entries)
+                self.counts[role][b] = kv.count(entries)
+        return len(cold)
 
     def attended_span(self) -> int:
         """Slots a row's attention reads next step, on average (each run of rows reads up to its

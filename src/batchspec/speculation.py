@@ -23,8 +23,10 @@ whose estimates happen to be high, so uncorrected estimates run optimistic).
 
 The k = 0 arm has no tax: before proposing, if no width q > 1 can beat a plain step (for a cheap
 proposer even if every row's drafts were of its best bin; for a draft model at the acceptance seen
-so far), the step is plain decoding (no proposer call, no extra tensors). A draft model stops drafting as soon
-as one more draft is expected to lower the rate. Every row is verified over the same width q (the
+so far), the step is plain decoding (no proposer call, no extra tensors). Nor does a draft model's
+prefill tax it: the ragged layout does not feed a sequence's prompt to the draft at admission
+(`lazy`) but when a step first drafts for it (`RaggedBatch.warm`). A draft model stops drafting as
+soon as one more draft is expected to lower the rate. Every row is verified over the same width q (the
 layouts' forwards are rectangular); row b verifies k_b = min(q - 1, its drafts) of them.
 
 Output never depends on these choices (acceptance.py, sampling.py); only speed does.
@@ -58,6 +60,7 @@ class Speculation(Protocol):
     """What the step asks of a speculation policy (`step.decode_step`)."""
 
     k_max: int  # the most drafts a row verifies in one step (KV slots are reserved for it)
+    lazy: bool  # may plan plain steps for long: a layout that can warms the proposer's cache on demand
 
     def plan(self, batch) -> int:
         """Drafts to ask the proposer for this step (0: a plain step, no proposer call)."""
@@ -79,6 +82,8 @@ class Speculation(Protocol):
 class Fixed:
     """k drafts per row every step (a row gets fewer when its proposer finds fewer)."""
 
+    lazy = False  # drafts every step: the proposer's cache is fed at admission
+
     def __init__(self, k: int):
         self.k_max = k
 
@@ -99,6 +104,8 @@ class Fixed:
 
 class Adaptive:
     """Per-step widths from measured costs and learned acceptance (module docstring)."""
+
+    lazy = True  # often plans plain steps only: sequences admitted meanwhile are not fed to the draft
 
     def __init__(self, target, proposer, capacity: int, k_max: int = AUTO_K_MAX):
         self.k_max, self.proposer = k_max, proposer

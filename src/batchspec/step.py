@@ -104,6 +104,12 @@ class Context:
             out[self.proposer.role] = self.proposer.model
         return out
 
+    def admitted_roles(self) -> list[str]:
+        """Roles fed a prompt at admission into a layout that can `warm` a cache later (ragged):
+        all of `models()`, less the proposer's when the policy is `lazy` (often drafts nothing)."""
+        lazy = self.speculation.lazy
+        return [role for role in self.models() if role == "target" or not lazy]
+
 
 def start(ctx: Context, seqs: list[Sequence], batch_cls: type | None = None) -> Layout:
     """Mark `seqs` running, put them in a fresh padded batch (empty caches) and prefill it.
@@ -116,12 +122,12 @@ def start(ctx: Context, seqs: list[Sequence], batch_cls: type | None = None) -> 
     return batch
 
 
-def prefill(ctx: Context, batch: Layout) -> list[Sequence]:
-    """Feed every role the rows' uncached tokens; the target's last logits give each row its
-    first token. Returns the rows that finished (EOS first, or max_new_tokens == 1)."""
+def prefill(ctx: Context, batch: Layout, roles: list[str] | None = None) -> list[Sequence]:
+    """Feed `roles` (default: every role) the rows' uncached tokens; the target's last logits give
+    each row its first token. Returns the rows that finished (EOS first, or max_new_tokens == 1)."""
     with ctx.stats.stage("prefill"):
         first = None
-        for role in ctx.models():
+        for role in ctx.models() if roles is None else roles:
             logits = feed(ctx, batch, role, batch.pending(role))[:, -1]
             if role == "target":
                 first = _pick(logits, batch.seqs)
@@ -152,6 +158,11 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
     started = timed(ctx.device)
     # Choices from clocks are rank 0's on every tensor-parallel rank (tp.agree; a no-op otherwise).
     k = tp.agree(policy.plan(batch)) if ctx.proposer is not None and policy.k_max > 0 else 0
+    warm = getattr(batch, "warm", None)
+    if k > 0 and warm is not None and ctx.proposer.role is not None:
+        with stats.stage("prefill"):  # rows admitted while the policy did not draft (lazy)
+            if warm(ctx.proposer):
+                started = timed(ctx.device)
     vocab = ctx.target.config.vocab_size
     noise = None if params.greedy else row_noise(seqs, k + 1, vocab, ctx.device)
     with stats.stage("draft"):
