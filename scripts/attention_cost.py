@@ -1,5 +1,6 @@
-"""Target forward times with transformers' SDPA attention against batchspec's (attention.py), over
-ragged-layout caches: uniform rows, and rows of mixed lengths (cut into runs by batchspec).
+"""Target forward times with transformers' SDPA attention over one slab of slots (every row over the
+longest row's span) against batchspec's (attention.py) over the ragged layout's size classes
+(kv.SlotCache): uniform rows, and rows of mixed lengths.
 
     python scripts/attention_cost.py [--pair default] [--dtype float32] [--widths 1,2,3,5,7] [--json OUT]
 
@@ -26,10 +27,10 @@ SHAPES = {  # name -> the rows' cached lengths
 
 def forward_ms(model, lengths: list[int], q: int, impl: str, repeats: int) -> float:
     """Median ms of one forward of q tokens per row after `lengths` cached slots, as the ragged
-    layout feeds it, with attention implementation `impl`."""
+    layout feeds it, with attention implementation `impl` (transformers' over one slab)."""
     model.config._attn_implementation = impl
     try:
-        return 1e3 * time_rows(model, lengths, q, repeats)
+        return 1e3 * time_rows(model, lengths, q, repeats, classes=impl == attention.NAME)
     finally:
         model.config._attn_implementation = attention.NAME
 

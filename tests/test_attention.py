@@ -1,5 +1,5 @@
-"""attention.py: packed grouped-query attention and per-row spans compute transformers' SDPA
-attention; the ragged layout cut into runs stays equal to the reference; the oracle never uses it."""
+"""attention.py: packed grouped-query attention and per-class spans compute transformers' SDPA
+attention; the ragged layout in size classes stays equal to the reference; the oracle never uses it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from batchspec import SamplingParams, SpecDecoder, attention
+from batchspec import SamplingParams, SpecDecoder, attention, kv
 
 
 class Heads(torch.nn.Module):
@@ -24,34 +24,18 @@ class Heads(torch.nn.Module):
         self.num_key_value_groups, self.is_causal = groups, True
 
 
-@settings(max_examples=60, deadline=None)
-@given(ends=st.lists(st.integers(1, 3000), min_size=1, max_size=24), call=st.integers(0, 5000))
-def test_segments_cover_every_row_in_order_at_no_more_than_one_run(ends, call):
-    runs = attention.segments(ends, call)
-    assert runs[0][0] == 0 and runs[-1][1] == len(ends)
-    assert all(a < z for a, z, _ in runs) and all(z == a2 for (_, z, _), (a2, _, _) in zip(runs, runs[1:]))
-    assert all(span == max(ends[a:z]) for a, z, span in runs)
-    cost = sum(call + (z - a) * span for a, z, span in runs)
-    assert cost <= call + len(ends) * max(ends)
-
-
-def test_segments_cut_only_when_it_saves_a_call():
-    assert attention.segments([100] * 16, 1024) == [(0, 16, 100)]
-    assert attention.segments([1500, 1500, 200, 200], 1024) == [(0, 2, 1500), (2, 4, 200)]
-    assert attention.segments([1500, 200, 1500, 200], 10_000) == [(0, 4, 1500)]
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
     batch=st.integers(1, 6),
     q=st.integers(1, 6),
     groups=st.sampled_from([1, 2, 3]),
-    split=st.booleans(),
+    parts=st.integers(1, 4),
 )
-def test_attention_equals_transformers_sdpa(seed, batch, q, groups, split):
-    """Each row sees slots up to its own end (a ragged mask); cut into runs or not, the output is
-    transformers' SDPA attention's over the whole span."""
+def test_attention_equals_transformers_sdpa(seed, batch, q, groups, parts):
+    """Each row sees slots up to its own end (a ragged mask); whole or as `kv.RowParts` (rows in
+    any order, each part over its own longest row's span), the output is transformers' SDPA
+    attention's over the whole span."""
     gen = torch.Generator().manual_seed(seed)
     kv_heads, dim = 2, 8
     ends = torch.randint(q, 40, (batch,), generator=gen)
@@ -62,9 +46,17 @@ def test_attention_equals_transformers_sdpa(seed, batch, q, groups, split):
     mask = (torch.arange(span)[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, q, span]
     module = Heads(groups)
     want = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)[0]
-    runs = attention.segments(ends.tolist(), 0 if split else None)
-    got, _ = attention.attention(module, query, key, value, mask, scaling=0.3, row_spans=runs)
+    got, _ = attention.attention(module, query, key, value, mask, scaling=0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    order = torch.randperm(batch, generator=gen)
+    groups_ = [g for g in order.tensor_split(min(parts, batch)) if len(g)]
+    spans = [int(ends[g].max()) for g in groups_]
+    keys = kv.RowParts([(g, key[g][:, :, :s]) for g, s in zip(groups_, spans)])
+    values = kv.RowParts([(g, value[g][:, :, :s]) for g, s in zip(groups_, spans)])
+    got, _ = attention.attention(module, query, keys, values, mask, scaling=0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got, _ = attention.attention(module, query, keys, values, mask, scaling=0.3, output_attentions=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # transformers' function on the parts made dense
 
 
 def test_the_reference_decoder_runs_transformers_attention_alone(tiny64, monkeypatch):
@@ -77,19 +69,23 @@ def test_the_reference_decoder_runs_transformers_attention_alone(tiny64, monkeyp
 
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 10**6), batch=st.integers(2, 8), k=st.integers(1, 6))
-def test_ragged_cut_into_runs_equals_reference(tiny64, seed, batch, k):
-    """With a call costing one entry, rows of mixed lengths attend in many runs; tokens and cache
-    invariants are the reference's."""
+def test_ragged_in_size_classes_equals_reference(tiny64, seed, batch, k):
+    """Rows of mixed lengths live in several size classes and attend class by class; tokens and
+    cache invariants are the reference's."""
     rng = random.Random(seed)
     prompts = [random_prompts(seed + i, 1, n, n)[0] for i, n in enumerate(rng.choices([1, 3, 40, 300], k=9))]
-    runs_seen = []
-    segments = attention.segments
+    parts_seen = []
+    prepare = kv.SlotCache.prepare
+
+    def spy(self, rows, positions):
+        prepare(self, rows, positions)
+        parts_seen.append(len(self.plan))
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attention, "CALL_ENTRIES", 1)
-        mp.setattr(attention, "segments", lambda ends: runs_seen.append(len(segments(ends))) or segments(ends))
+        mp.setattr(kv.SlotCache, "prepare", spy)
         got = decode(tiny64, prompts, 16, method="ragged", batch_size=batch, k=k, check_invariants=True)
     assert got == reference_tokens(tiny64, prompts, 16)
-    assert max(runs_seen) > 1  # the forwards were cut
+    assert max(parts_seen) > 1  # some forwards attended in more than one class
 
 
 def test_attention_cost_script_tiny(tmp_path):

@@ -8,8 +8,9 @@ spans in the ragged layout. Same math as transformers' SDPA attention, less memo
   already does for one query token. Measured per layer at B = 16, 5 query tokens, 1,024 cached,
   SmolLM2's 9/3 heads on 2 CPU cores: 32.8 ms -> 3.7 ms, bit-identical outputs in that measurement.
 - **Row spans.** Rows of a ragged batch end at different slots; attending every row over the
-  longest row's span wastes the difference. `segments` cuts the rows into runs that each attend only
-  up to their own longest row, when the saved entries outweigh another kernel call.
+  longest row's span wastes the difference. The ragged layout's cache (`kv.SlotCache`) keeps rows
+  in size classes and hands each class's rows over their own span (`kv.RowParts`): one kernel call
+  per class in use, each row attending over less than twice its own length (past the first class).
 
 Registered as the attention implementation "batchspec" (`install`). Calls without a mask (the
 reference decoder's plain forwards) go to transformers' SDPA function unchanged, and so does each
@@ -23,10 +24,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import kv
+
 NAME = "batchspec"
-#: One more kernel call costs about as much as attending this many more (row, slot) entries
-#: (per layer on 2 CPU cores: ~30-150 us a call, ~0.1-0.2 us an entry at 1-5 query tokens).
-CALL_ENTRIES = 1024
 
 
 def install(model: torch.nn.Module) -> torch.nn.Module:
@@ -35,31 +35,6 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
     if getattr(config, "_attn_implementation", None) in (None, "sdpa", NAME):
         config._attn_implementation = NAME
     return model
-
-
-def segments(ends: list[int], call_entries: int | None = None) -> list[tuple[int, int, int]]:
-    """Rows 0..n-1 end at slot ends[b] (exclusive) -> runs (start, stop, span) covering every row,
-    in order, minimising sum(call_entries + (stop - start) * span) with span = the run's longest end.
-    One run when cutting cannot save a call's worth (`call_entries`, default CALL_ENTRIES)."""
-    call_entries = CALL_ENTRIES if call_entries is None else call_entries
-    n, top = len(ends), max(ends)
-    if n * top - sum(ends) <= call_entries:
-        return [(0, n, top)]
-    best = [0.0] + [float("inf")] * n  # best[j]: cheapest cover of rows 0..j-1
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        span = 0
-        for i in range(j - 1, -1, -1):  # run i..j-1
-            span = max(span, ends[i])
-            cost = best[i] + call_entries + (j - i) * span
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    runs, j = [], n
-    while j > 0:
-        i = cut[j]
-        runs.append((i, j, max(ends[i:j])))
-        j = i
-    return runs[::-1]
 
 
 def _one(module, query, key, value, mask, scaling, dropout) -> torch.Tensor:
@@ -78,20 +53,37 @@ def _one(module, query, key, value, mask, scaling, dropout) -> torch.Tensor:
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """transformers' attention signature. `row_spans` (a kwarg of the forward, from the ragged
-    layout): the runs of `segments`, each attending over its own span of the keys."""
+    """transformers' attention signature. key/value may be `kv.RowParts` (the ragged layout's size
+    classes): each part's rows attend over their own slab, up to their own longest row."""
     only_stock = kwargs.get("output_attentions") or any(
         kwargs.get(name) is not None for name in ("softcap", "sliding_window", "position_bias")
     )  # features only transformers' function implements
     if attention_mask is None or only_stock:
+        key, value = _dense(key, query.shape[0]), _dense(value, query.shape[0])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    runs = kwargs.get("row_spans") or [(0, query.shape[0], key.shape[2])]
-    parts = [
-        _one(module, query[a:z], key[a:z, :, :s], value[a:z, :, :s], attention_mask[a:z, ..., :s], scaling, dropout)
-        for a, z, s in runs
-    ]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    return out.contiguous(), None
+    if not isinstance(key, kv.RowParts):
+        return _one(module, query, key, value, attention_mask, scaling, dropout).contiguous(), None
+    b, heads, q, dim = query.shape
+    out = query.new_empty(b, q, heads, dim)
+    for (rows, k), (_, v) in zip(key.parts, value.parts):
+        mask = attention_mask[..., : k.shape[2]]
+        if rows is None:
+            return _one(module, query, k, v, mask, scaling, dropout).contiguous(), None
+        part = _one(module, query.index_select(0, rows), k, v, mask.index_select(0, rows), scaling, dropout)
+        out.index_copy_(0, rows, part)
+    return out, None
+
+
+def _dense(parts, rows: int) -> torch.Tensor:
+    """`kv.RowParts` -> one tensor [rows, H_kv, span, D] (zeros past each part's span); a tensor as is."""
+    if not isinstance(parts, kv.RowParts):
+        return parts
+    span = max(t.shape[2] for _, t in parts.parts)
+    head = parts.parts[0][1]
+    out = head.new_zeros(rows, head.shape[1], span, head.shape[3])
+    for index, t in parts.parts:
+        out.index_copy_(0, index, torch.nn.functional.pad(t, (0, 0, 0, span - t.shape[2])))
+    return out
 
 
 AttentionInterface.register(NAME, attention)

@@ -22,7 +22,7 @@ from collections import deque
 
 import torch
 
-from . import attention, kv
+from . import kv
 
 #: A probe counts as a quarter of a timed step: the steps actually run soon dominate the fit.
 PROBE_WEIGHT = 0.25
@@ -127,16 +127,16 @@ def time_forward(model, rows: int, q: int, span: int, repeats: int = 1) -> float
 
 
 @torch.inference_mode()
-def time_rows(model, lengths: list[int], q: int, repeats: int = 1) -> float:
+def time_rows(model, lengths: list[int], q: int, repeats: int = 1, classes: bool = True) -> float:
     """Median seconds of one forward of q tokens per row after each row's `lengths` cached slots,
-    fed as the ragged layout feeds it (row runs included; the slots' contents are irrelevant to
-    the time, so nothing is prefilled)."""
+    fed as the ragged layout feeds it (in size classes, or one slab if not `classes`; the slots'
+    contents are irrelevant to the time, so nothing is prefilled)."""
     device, rows = next(model.parameters()).device, len(lengths)
-    cache = kv.SlotCache(model.config, next(model.parameters()).dtype, device, rows, first_slots=max(lengths) + q)
+    cache = kv.SlotCache(model.config, next(model.parameters()).dtype, device, rows, classes)
     positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(q, device=device)[None, :]
     mask = (torch.arange(max(lengths) + q, device=device)[None, None, :] <= positions[:, :, None])[:, None]
     ids = torch.zeros(rows, q, dtype=torch.long, device=device)
-    extra = {"row_spans": attention.segments((positions[:, -1] + 1).tolist())}
+    extra = {}
     if getattr(model, "needs_features", False):  # a draft head (eagle.py) also reads features
         extra["features"] = torch.zeros(rows, q, model.config.hidden_size, dtype=model.dtype, device=device)
     times = []

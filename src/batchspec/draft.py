@@ -67,7 +67,7 @@ class SmolDraft(torch.nn.Module):
             raise ValueError(f"embedding shape {tuple(embedding.shape)} does not match the draft config")
         self.model.embed_tokens.weight = embedding
 
-    def hidden(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=False, row_spans=None):
+    def hidden(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=False):
         """Final hidden states [B, q, H] (after the final norm)."""
         # Embed here so a draft in another dtype than the shared (target's) embedding still works.
         embeds = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight).to(self.dtype)
@@ -77,7 +77,6 @@ class SmolDraft(torch.nn.Module):
             position_ids=position_ids,
             cache=cache,
             use_cache=use_cache,
-            row_spans=row_spans,  # attention.py: the ragged layout's runs
         )
         return out.last_hidden_state, out.cache
 
@@ -89,10 +88,9 @@ class SmolDraft(torch.nn.Module):
         cache=None,  # a transformers Cache with N layers (kv.py), written in place
         use_cache: bool = True,
         logits_to_keep: int = 0,  # 0: every position; n: the last n
-        row_spans: list | None = None,  # attention.segments' runs (ragged layout)
         **_ignored,
     ) -> CausalLMOutputWithPast:
-        hidden, cache = self.hidden(input_ids, attention_mask, position_ids, cache, use_cache, row_spans)
+        hidden, cache = self.hidden(input_ids, attention_mask, position_ids, cache, use_cache)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return CausalLMOutputWithPast(logits=self.lm_head(hidden), cache=cache)  # logits [B, q', V_r]

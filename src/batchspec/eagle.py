@@ -71,9 +71,7 @@ class EagleHead(torch.nn.Module):
         out = target.get_output_embeddings().weight.detach()
         self.head = out[self.vocab_ids.to(out.device)].to(self.fc.weight.dtype).clone()
 
-    def hidden(
-        self, input_ids, features, attention_mask=None, position_ids=None, cache=None, use_cache=False, row_spans=None
-    ):
+    def hidden(self, input_ids, features, attention_mask=None, position_ids=None, cache=None, use_cache=False):
         """ids [B, q], features [B, q, H] -> predicted features [B, q, H] (after the final norm)."""
         embeds = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight).to(self.dtype)
         x = self.fc(torch.cat([embeds, features.to(self.dtype)], dim=-1))
@@ -83,7 +81,6 @@ class EagleHead(torch.nn.Module):
             position_ids=position_ids,
             cache=cache,
             use_cache=use_cache,
-            row_spans=row_spans,
         )
         return out.last_hidden_state
 
@@ -96,10 +93,9 @@ class EagleHead(torch.nn.Module):
         cache=None,
         use_cache: bool = True,
         logits_to_keep: int = 0,
-        row_spans: list | None = None,  # attention.segments' runs (ragged layout)
         **_ignored,
     ) -> CausalLMOutputWithPast:
-        hidden = self.hidden(input_ids, features, attention_mask, position_ids, cache, use_cache, row_spans)
+        hidden = self.hidden(input_ids, features, attention_mask, position_ids, cache, use_cache)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return CausalLMOutputWithPast(logits=hidden @ self.head.T, hidden_states=hidden)

@@ -6,9 +6,10 @@
   no copy of the cache; transformers' `DynamicCache` concatenates, i.e. copies every layer's whole
   cache on every forward. Each function that moves entries (gather, stack) writes into a fresh
   buffer with `RESERVE` spare columns, enough for one speculative step without growing.
-- `SlotCache` (the `ragged` layout) keeps per-row slots [capacity, H_kv, S, D] per layer, S growing
-  with the longest running row; before each forward the batch says where each row writes and how
-  many slots are attended. Attention reads views of the buffers.
+- `SlotCache` (the `ragged` layout) keeps each row's slots in one row of a slab per size class
+  (64, 128, 256, ... slots), so memory follows the tokens held; before each forward the batch says
+  where each row writes, and each class's rows are attended over their own span (`RowParts`).
+  Attention reads views of the slabs.
 - `reference_cache` is transformers' own `DynamicCache`, for the oracle and the invariant checker:
   they must not share this module's buffer code, so a bug here cannot hide in both.
 
@@ -214,28 +215,52 @@ def pad_columns_left(cache: BufferCache, n: int) -> None:
 # --- the ragged layout's per-row slots ---------------------------------------------------------
 
 
+def slot_class(n: int) -> int:
+    """The size class of a row holding up to n entries: the smallest c with SLOT_BLOCK * 2**c >= n."""
+    c = 0
+    while SLOT_BLOCK << c < n:
+        c += 1
+    return c
+
+
+class RowParts:
+    """A forward's keys (or values) as parts: each part's rows [m] of the batch (None: all rows, in
+    order) and their slots [m, H_kv, span, D], a view of one size class's slab (attention.py)."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor | None, torch.Tensor]]):
+        self.parts = parts
+
+
 class SlotLayer(CacheLayerMixin):
-    """One layer's buffers; `update` scatters the new keys/values at the cache's write index and
-    returns views of the running rows' slots [0, span) (no copy)."""
+    """One layer's slabs, one per size class in use: keys/values [rows, H_kv, SLOT_BLOCK * 2**c, D]."""
 
     is_sliding = False
 
-    def __init__(self, owner: SlotCache, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, owner: SlotCache):
         super().__init__()
-        self.owner, self.keys, self.values = owner, keys, values
-        self.is_initialized, self.device = True, keys.device
+        self.owner = owner
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.is_initialized, self.device = True, owner.device
 
-    def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist from the start
+    def lazy_initialization(self, key_states, value_states) -> None:  # slabs are the owner's business
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """key_states [n, H, q, D] -> the n running rows' keys/values over slots [0, span)."""
-        n, span, index = self.owner.rows, self.owner.span, self.owner.write_index  # index [n, q]
-        idx = index[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[3])
-        keys, values = self.keys[:n], self.values[:n]
-        keys.scatter_(2, idx, key_states)
-        values.scatter_(2, idx, value_states)
-        return keys[:, :, :span], values[:, :, :span]
+        """key_states [n, H, q, D]: scatter each row's new entries into its slab at the prepared
+        write slots; return every class's rows over its own span (views, no copy): plain tensors
+        when one class holds all rows in order, else `RowParts`."""
+        keys, values = [], []
+        for c, rows, index, span in self.owner.plan:  # index [m, q]
+            idx = index[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[3])
+            m = index.shape[0]
+            for slab, new, out in ((self.keys[c], key_states, keys), (self.values[c], value_states, values)):
+                part = slab[:m]
+                part.scatter_(2, idx, new if rows is None else new.index_select(0, rows))
+                out.append((rows, part[:, :, :span]))
+        if len(keys) == 1 and keys[0][0] is None:
+            return keys[0][1], values[0][1]
+        return RowParts(keys), RowParts(values)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.span, 0
@@ -244,72 +269,140 @@ class SlotLayer(CacheLayerMixin):
         return self.owner.span
 
     def get_max_length(self) -> int:
-        return self.keys.shape[2]
+        return -1
 
 
 class SlotCache(Cache):
-    """A transformers Cache over per-row slots [capacity, H_kv, slots, D] per layer. Row r's
-    entries are its slots 0..; rows 0..n-1 run. The slot dimension grows when a row that needs
-    more is admitted, so memory follows the longest running request, not the longest one up front;
-    attention reads views of the buffers, never a gathered copy. Before each forward `prepare`
-    sets the write index [n, q] and the span attended."""
+    """A transformers Cache over per-row slots for up to `capacity` batch rows. A row's entries are
+    slots 0.. of one row of the slab of its size class (`slot_class`: up to 64, 128, 256, ...
+    entries); a row that outgrows its class moves to a larger one (its entries copied once), a
+    slab grows by rows as its class fills and is freed when its class empties. So memory follows
+    the tokens the rows hold (each row's slab row is less than twice its entries, beyond the first
+    class), and rows of a class attend together over that class's longest row only. Before each
+    forward `prepare` places the rows and sets where each writes.
 
-    def __init__(self, config, dtype: torch.dtype, device, capacity: int, first_slots: int = 64):
+    Bookkeeping: `place[b] = (class, slab row)` of batch row b; `members[c]` the batch rows in
+    class c's slab rows 0..m-1 (a slab's used rows are always its first ones)."""
+
+    def __init__(self, config, dtype: torch.dtype, device, capacity: int, classes: bool = True):
+        self.classes = classes  # False: every row in the longest row's class (one slab, one span)
         self.heads = kv_heads(config)
         self.dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.capacity, self.dtype, self.device = capacity, dtype, device
-        layers = [
-            SlotLayer(self, self._zeros(first_slots), self._zeros(first_slots)) for _ in range(config.num_hidden_layers)
-        ]
-        super().__init__(layers=layers)
-        self.rows, self.span = 0, 0
-        self.write_index = torch.zeros(0, 0, dtype=torch.long, device=device)
-
-    def _zeros(self, slots: int) -> torch.Tensor:
-        return torch.zeros(self.capacity, self.heads, slots, self.dim, dtype=self.dtype, device=self.device)
-
-    @property
-    def slots(self) -> int:
-        return self.layers[0].keys.shape[2]
+        super().__init__(layers=[SlotLayer(self) for _ in range(config.num_hidden_layers)])
+        self.place: dict[int, tuple[int, int]] = {}
+        self.members: dict[int, list[int]] = {}
+        self.filled: dict[int, int] = {}  # batch row -> slots written (what a move copies)
+        self.plan: list[tuple[int, torch.Tensor | None, torch.Tensor, int]] = []
+        self.span = 0
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * len(self.layers) * self.heads * self.dim * self.layers[0].keys.element_size()
+        return 2 * len(self.layers) * self.heads * self.dim * torch.empty(0, dtype=self.dtype).element_size()
 
-    def ensure(self, slots: int) -> None:
-        """Make every row able to hold `slots` entries (rounded up to SLOT_BLOCK; entries are kept).
-        The ragged batch asks once per admission, for the newcomers' worst case."""
-        if slots <= self.slots:
-            return
-        new = -(-slots // SLOT_BLOCK) * SLOT_BLOCK
-        for layer in self.layers:
-            for name in ("keys", "values"):
-                old = getattr(layer, name)
-                grown = self._zeros(new)
-                grown[:, :, : old.shape[2]] = old
-                setattr(layer, name, grown)
+    @property
+    def allocated(self) -> int:
+        """Token slots allocated, all slabs (per layer, keys or values)."""
+        return sum(slab.shape[0] * slab.shape[2] for slab in self.layers[0].keys.values())
+
+    def room(self, row: int) -> int:
+        """Entries batch row `row` can hold without moving (0 if it holds none)."""
+        return SLOT_BLOCK << self.place[row][0] if row in self.place else 0
 
     def prepare(self, rows: int, positions: torch.Tensor) -> None:
-        """Before a forward of q new entries for rows 0..rows-1 at slots positions [rows, q]."""
-        self.span = int(positions[:, -1].max()) + 1
-        self.ensure(self.span)
-        self.rows, self.write_index = rows, positions
-
-    def move_row(self, src: int, dst: int, count_: int) -> None:
-        for layer in self.layers:
-            layer.keys[dst, :, :count_] = layer.keys[src, :, :count_]
-            layer.values[dst, :, :count_] = layer.values[src, :, :count_]
+        """Before a forward of q new entries for batch rows 0..rows-1 at slots positions [rows, q]:
+        place rows that hold nothing yet, move rows that outgrow their class, plan the writes."""
+        ends = (positions[:, -1] + 1).tolist()
+        self.span = max(ends)
+        for b, end in enumerate(ends):
+            c = slot_class(end if self.classes else self.span)
+            if b not in self.place:
+                self._assign(b, c)
+            elif end > self.room(b) or (not self.classes and self.place[b][0] != c):
+                self._move(b, c)
+            self.filled[b] = max(self.filled[b], end)
+        self.plan = []
+        for c, members in sorted(self.members.items()):
+            if members == list(range(rows)):
+                self.plan.append((c, None, positions, self.span))
+                continue
+            index = torch.tensor(members, device=self.device)
+            self.plan.append((c, index, positions.index_select(0, index), max(ends[b] for b in members)))
 
     def install(self, row: int, entries: SeqKV) -> None:
-        """Copy one sequence's real entries (oldest first) into slots 0.. of `row`."""
-        self.ensure(count(entries))
+        """Place batch row `row` (holding nothing) with one sequence's real entries, oldest first."""
+        n = count(entries)
+        self._assign(row, slot_class(max(n, 1)))
+        c, i = self.place[row]
         for layer, (k, v) in zip(self.layers, entries, strict=True):
-            n = k.shape[2]
-            layer.keys[row, :, :n] = k[0]
-            layer.values[row, :, :n] = v[0]
+            layer.keys[c][i, :, :n] = k[0]
+            layer.values[c][i, :, :n] = v[0]
+        self.filled[row] = n
+
+    def release(self, row: int) -> None:
+        """Batch row `row` holds nothing from now on (its slab row is reused)."""
+        if row not in self.place:
+            return
+        c, i = self.place.pop(row)
+        self.filled.pop(row)
+        members = self.members[c]
+        last = members.pop()
+        if last != row:  # the slab's last used row fills the hole
+            n = self.filled[last]
+            for layer in self.layers:
+                for slab in (layer.keys[c], layer.values[c]):
+                    slab[i, :, :n] = slab[len(members), :, :n]
+            members[i] = last
+            self.place[last] = (c, i)
+        if not members:
+            del self.members[c]
+            for layer in self.layers:
+                del layer.keys[c], layer.values[c]
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Batch row `src` becomes batch row `dst` (which holds nothing): no entry is copied."""
+        if src not in self.place:  # holds nothing either (a lazy draft's row not fed yet)
+            return
+        c, i = self.place[dst] = self.place.pop(src)
+        self.filled[dst] = self.filled.pop(src)
+        self.members[c][i] = dst
 
     def row(self, row: int, count_: int) -> SeqKV:
-        """Row `row`'s first `count_` entries of every layer, as views."""
-        return [
-            (layer.keys[row : row + 1, :, :count_], layer.values[row : row + 1, :, :count_]) for layer in self.layers
-        ]
+        """Batch row `row`'s first `count_` entries of every layer, as views."""
+        if row not in self.place:
+            return [(self._zeros(1, 0), self._zeros(1, 0)) for _ in self.layers]
+        c, i = self.place[row]
+        return [(layer.keys[c][i : i + 1, :, :count_], layer.values[c][i : i + 1, :, :count_]) for layer in self.layers]
+
+    # --- slabs --------------------------------------------------------------------------
+    def _zeros(self, rows: int, slots: int) -> torch.Tensor:
+        return torch.zeros(rows, self.heads, slots, self.dim, dtype=self.dtype, device=self.device)
+
+    def _assign(self, row: int, c: int) -> None:
+        """Give batch row `row` the next free row of class c's slab (growing the slab if full)."""
+        members = self.members.setdefault(c, [])
+        have = self.layers[0].keys[c].shape[0] if c in self.layers[0].keys else 0
+        if len(members) == have:
+            grown = min(self.capacity, have + max(1, have // 2))  # by half: copies stay amortized
+            for layer in self.layers:
+                for slabs in (layer.keys, layer.values):
+                    new = self._zeros(grown, SLOT_BLOCK << c)
+                    if have:
+                        new[:have] = slabs[c]
+                    slabs[c] = new
+        self.place[row] = (c, len(members))
+        self.filled.setdefault(row, 0)
+        members.append(row)
+
+    def _move(self, row: int, c: int) -> None:
+        """Move batch row `row` to class c, copying its entries once."""
+        old, i = self.place[row]
+        n = self.filled[row]
+        saved = [(layer.keys[old][i, :, :n].clone(), layer.values[old][i, :, :n].clone()) for layer in self.layers]
+        self.release(row)
+        self._assign(row, c)
+        _, j = self.place[row]
+        for layer, (k, v) in zip(self.layers, saved):
+            layer.keys[c][j, :, :n] = k
+            layer.values[c][j, :, :n] = v
+        self.filled[row] = n

@@ -1,38 +1,34 @@
 """`ragged`: a realignment-free batch. Every row has its own cache offset; nothing is ever shifted.
 
 Row b's real entries are its slots 0 .. count_b - 1, kept for each role (target, draft) in a
-`kv.SlotCache` [capacity, H_kv, S, D] per layer. A forward of q new tokens per row writes them at
-slots o_b .. o_b + q - 1 (one scatter per layer) with positions o_b + i and a 4-D mask in which
-query i of row b sees slots j <= o_b + i. Rejected drafts are rolled back by not counting them:
-their slots are overwritten next step. No unpad, no repad; attention reads views of the buffers.
+`kv.SlotCache`: one row of the slab of the row's size class (up to 64, 128, 256, ... slots). A
+forward of q new tokens per row writes them at slots o_b .. o_b + q - 1 (one scatter per class and
+layer) with positions o_b + i and a 4-D mask in which query i of row b sees slots j <= o_b + i.
+Rejected drafts are rolled back by not counting them: their slots are overwritten next step. No
+unpad, no repad; attention reads views of the slabs, each class's rows up to its own longest row,
+so a short row's step does not cost what a long row's does.
 
 Under a lazy speculation policy (`-k auto`) a sequence is admitted with no draft entries; `warm`
 feeds the draft its tokens when a step first drafts for it (a policy that drafts nothing never pays
 for the draft's prefill).
 
-Rows 0 .. n-1 run; a row that finishes is replaced by the last row (one row copy). Waiting
-sequences are admitted into free rows while others decode: prefilled in bounded chunks between
-steps (admission.py; a long prompt neither pads short ones nor stalls the running rows), then
-copied in once.
+Rows 0 .. n-1 run; a row that finishes is replaced by the last row (no entry moves: the caches
+renumber it). Waiting sequences are admitted into free rows while others decode: prefilled in
+bounded chunks between steps (admission.py; a long prompt neither pads short ones nor stalls the
+running rows), then copied in once.
 
 Memory: `kv_budget_tokens` bounds the tokens reserved across all rows. A sequence is admitted
 only when its worst case (prompt + max_new_tokens + k + 1 draft slots) fits beside the
-reservations of the running rows, so a running row never waits for memory. The slot dimension S
-grows when a sequence is admitted, to the worst case of the longest request admitted so far
-(capacity x S tokens allocated), once, not as rows fill and not for the longest request up front.
-A paged pool (memory = tokens held) was built and measured: on CPU its per-forward gather of every
-row's pages made `ragged` 2.4x slower at B = 8 (docs/benchmarks.md), so the contiguous slots stay.
-
-Attention reads each row's slots up to its own end, or up to the longest row of its run: the
-forward's rows are cut into runs of similar ends when that saves more than a kernel call costs
-(attention.py), so a short row's step does not cost what a long row's does.
+reservations of the running rows, so a running row never waits for memory. Memory itself is
+allocated as rows fill: a row's slab row holds less than twice its entries (past 64), so the
+slots allocated follow the tokens held (bench's `kv_peak_tokens`), not rows x longest request.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import attention, kv
+from . import kv
 from .batch import PaddedBatch
 from .errors import BatchspecError
 from .loop import Loop
@@ -67,7 +63,8 @@ class RaggedBatch:
         self.heads = {role: torch.zeros(capacity, dtype=torch.long, device=device) for role in models}
         self.fed: set[str] = set()  # roles fed since the last realign (a draft skips plain steps)
         self.reserved = self.incoming = 0
-        self.peak_tokens = 0  # most slots allocated at once (capacity x S, the same for every role)
+        self.peak_tokens = self.peak_bytes = 0  # most target slots / KV bytes allocated at once
+        self.peak_held = 0  # most target entries held at once (what the slots are for)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -83,11 +80,9 @@ class RaggedBatch:
         return self.free > len(extra) and self.reserved + want <= self.budget
 
     def reserve(self, seqs: list[Sequence]) -> None:
-        """Hold a row and worst-case budget for each of `seqs` while they are prefilled, and slots
-        for their worst case (growing the buffers once here, not as they fill)."""
+        """Hold a row and worst-case budget for each of `seqs` while they are prefilled (memory is
+        allocated as rows fill: kv.SlotCache)."""
         self.reserved += sum(need(s, self.k) for s in seqs)
-        for cache in self.caches.values():
-            cache.ensure(max(need(s, self.k) for s in seqs))
         self.incoming += len(seqs)
 
     def unreserve(self, seqs: list[Sequence]) -> None:
@@ -119,13 +114,19 @@ class RaggedBatch:
         n, cache = len(self.seqs), self.caches[role]
         start = self.heads[role][:n]
         positions = (start[:, None] + torch.arange(q, device=self.device)[None, :]).clamp(min=0)  # [n, q]
-        cache.prepare(n, positions)
-        span = cache.span
-        self.peak_tokens = max(self.peak_tokens, self.capacity * cache.slots)
-        mask = torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None]  # [n, q, span]
+        cache.prepare(n, positions)  # size classes: each attends over its own rows' span
+        self._measure()
+        mask = torch.arange(cache.span, device=self.device)[None, None, :] <= positions[:, :, None]  # [n, q, span]
         self.heads[role][:n] = start + q
-        runs = attention.segments((positions[:, -1] + 1).tolist())  # each run attends to its own span
-        return {"attention_mask": mask[:, None], "position_ids": positions, "cache": cache, "row_spans": runs}
+        return {"attention_mask": mask[:, None], "position_ids": positions, "cache": cache}
+
+    def _measure(self) -> None:
+        """Track the peaks of the target's slots allocated and entries held, and of the bytes
+        allocated (all roles)."""
+        self.peak_tokens = max(self.peak_tokens, self.caches["target"].allocated)
+        self.peak_held = max(self.peak_held, self.tokens_held())
+        now = sum(cache.allocated * cache.bytes_per_token for cache in self.caches.values())
+        self.peak_bytes = max(self.peak_bytes, now)
 
     def mark(self, role: str) -> torch.Tensor:
         """What `rewind` returns `role` to: each row's next write slot now."""
@@ -145,15 +146,16 @@ class RaggedBatch:
         return self.retire()
 
     def retire(self) -> list[Sequence]:
-        """Remove finished rows: free their budget, and move the last row into the hole (one row
-        copy). Returns the removed sequences."""
+        """Remove finished rows: free their budget and slots; the last row takes the hole (no
+        entry moves). Returns the removed sequences."""
         finished = [s for s in self.seqs if s.finished]
         for row in sorted((i for i, s in enumerate(self.seqs) if s.finished), reverse=True):
             last = len(self.seqs) - 1
             self.reserved -= need(self.seqs[row], self.k)
-            if row != last:
-                for role, cache in self.caches.items():
-                    cache.move_row(last, row, int(self.counts[role][last]))
+            for role, cache in self.caches.items():
+                cache.release(row)
+                if row != last:
+                    cache.move_row(last, row)
                     self.counts[role][row] = self.counts[role][last]
             self.seqs[row] = self.seqs[last]
             self.seqs.pop()
@@ -188,23 +190,23 @@ class RaggedBatch:
             )
             proposer.feed(part, part.pending(role)[:, :-1])  # rows are right-aligned: each drops its last
             for b, entries in zip(rows, kv.split(part.caches[role], part.pad_left.tolist())):
+                self.caches[role].release(b)  # placed by no forward yet, but never twice
                 self.caches[role].install(b, entries)
                 self.counts[role][b] = kv.count(entries)
         return len(cold)
 
     def attended_span(self) -> int:
-        """Slots a row's attention reads next step, on average (each run of rows reads up to its
-        longest row: attention.segments)."""
-        runs = attention.segments([len(s) for s in self.seqs])
-        return sum((z - a) * span for a, z, span in runs) // len(self.seqs)
+        """Slots a row's attention reads next step, on average (each size class's rows read up to
+        their longest row: kv.SlotCache)."""
+        longest: dict[int, list[int]] = {}
+        for seq in self.seqs:
+            entry = longest.setdefault(kv.slot_class(len(seq)), [0, 0])
+            entry[0], entry[1] = entry[0] + 1, max(entry[1], len(seq))
+        return sum(rows * span for rows, span in longest.values()) // len(self.seqs)
 
     def tokens_held(self) -> int:
         """Target entries held by the running rows."""
         return int(self.counts["target"][: len(self.seqs)].sum())
-
-    def bytes_per_token(self) -> int:
-        """KV bytes one token holds, all roles and layers, keys and values."""
-        return sum(cache.bytes_per_token for cache in self.caches.values())
 
     # --- introspection for the invariant checker --------------------------------------------
     def cached_counts(self, role: str) -> list[int]:
@@ -216,10 +218,10 @@ class RaggedBatch:
     def check_layout(self) -> None:
         assert len(self.seqs) <= self.capacity, "more rows than the batch holds"
         assert self.reserved <= self.budget, "more KV reserved than the budget"
+        n = len(self.seqs)
         for role, cache in self.caches.items():
-            assert max(self.counts[role][: len(self.seqs)].tolist(), default=0) <= cache.slots, (
-                f"{role}: entries past the slots"
-            )
+            assert set(cache.place) <= set(range(n)), f"{role}: slots held for rows that do not run"
+            assert all(int(self.counts[role][b]) <= cache.room(b) for b in range(n)), f"{role}: entries past the slots"
 
 
 def kv_budget(seqs: list[Sequence], k: int, budget: int | None, rows: int) -> int:
@@ -255,6 +257,7 @@ def run(ctx: Context, seqs: list[Sequence], config) -> None:
     ctx.stats.extra.update(
         kv_budget_tokens=budget,
         kv_peak_tokens=batch.peak_tokens,
-        kv_peak_bytes=batch.peak_tokens * batch.bytes_per_token(),
+        kv_peak_bytes=batch.peak_bytes,
+        kv_peak_held_tokens=batch.peak_held,
         prefill_chunks=loop.admission.chunks,
     )
