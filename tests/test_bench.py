@@ -65,6 +65,8 @@ def test_bench_cli_reports_every_field(tmp_path, capsys):
     ar = [r for r in report["runs"] if r["method"] == "ar"]
     assert all(r["vs_ar"] == 1.0 for r in ar)
     assert "group_rate" in next(r for r in report["runs"] if r["method"] == "exspec")
+    for r in (r for r in report["runs"] if r["method"] == "ragged"):  # KV slots allocated vs held
+        assert 0 < r["kv_peak_held_tokens"] <= r["kv_peak_tokens"] and r["kv_peak_bytes"] > 0, r
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "vs spec1" in capsys.readouterr().out
     assert report["costs"]["draft_ms"], "the proposer's model is timed (ar, run first, has none)"
