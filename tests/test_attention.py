@@ -70,22 +70,34 @@ def test_the_reference_decoder_runs_transformers_attention_alone(tiny64, monkeyp
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 10**6), batch=st.integers(2, 8), k=st.integers(1, 6))
 def test_ragged_in_size_classes_equals_reference(tiny64, seed, batch, k):
-    """Rows of mixed lengths live in several size classes and attend class by class; tokens and
-    cache invariants are the reference's."""
+    """Rows of mixed lengths (size classes of 256, 512 and 1,024 slots) attend class by class;
+    tokens and cache invariants are the reference's."""
     rng = random.Random(seed)
-    prompts = [random_prompts(seed + i, 1, n, n)[0] for i, n in enumerate(rng.choices([1, 3, 40, 300], k=9))]
-    parts_seen = []
+    lengths = rng.choices([1, 3, 40, 300], k=7) + [300, 600]
+    rng.shuffle(lengths)
+    prompts = [random_prompts(seed + i, 1, n, n)[0] for i, n in enumerate(lengths)]
+    got = decode(tiny64, prompts, 16, method="ragged", batch_size=batch, k=k, check_invariants=True)
+    assert got == reference_tokens(tiny64, prompts, 16)
+
+
+def test_rows_of_several_classes_attend_in_one_call_per_class(tiny64, monkeypatch):
+    """A 600-token row beside short ones: forwards plan one part per class in use, and the tokens
+    are the reference's."""
+    plans = []
     prepare = kv.SlotCache.prepare
 
     def spy(self, rows, positions):
         prepare(self, rows, positions)
-        parts_seen.append(len(self.plan))
+        plans.append(sorted(c for c, *_ in self.plan))
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kv.SlotCache, "prepare", spy)
-        got = decode(tiny64, prompts, 16, method="ragged", batch_size=batch, k=k, check_invariants=True)
-    assert got == reference_tokens(tiny64, prompts, 16)
-    assert max(parts_seen) > 1  # some forwards attended in more than one class
+    monkeypatch.setattr(kv.SlotCache, "prepare", spy)
+    prompts = [random_prompts(90 + i, 1, n, n)[0] for i, n in enumerate([3, 40, 300, 600])]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    dec = SpecDecoder(tiny64, method="ragged", batch_size=4, k=3, check_invariants=True)
+    got = [o.token_ids for o in dec.generate(prompts, params)]
+    want = [o.token_ids for o in SpecDecoder(tiny64, method="reference").generate(prompts, params)]
+    assert got == want
+    assert [0, 1, 2] in plans  # 256-, 512- and 1,024-slot classes in one forward
 
 
 def test_attention_cost_script_tiny(tmp_path):

@@ -103,7 +103,7 @@ def test_mixed_lengths_up_to_two_thousand_tokens(tiny64):
 
 
 def test_kv_slots_follow_the_tokens_held(tiny64):
-    """Slots are allocated as rows fill, in size classes (64, 128, ... slots per row): a long row
+    """Slots are allocated as rows fill, in size classes (256, 512, ... slots per row): a long row
     does not make every row as long, and moving rows between classes keeps every entry (exact
     equality, invariants on)."""
     short = random_prompts(80, 7, 5, 10)
@@ -118,13 +118,13 @@ def test_kv_slots_follow_the_tokens_held(tiny64):
         summary = dec.stats.summary()
         return summary["kv_peak_tokens"], summary["kv_peak_held_tokens"]
 
-    # 7 rows of at most 10 + 8 + 3 slots: one slab of 64-slot rows, grown by half (1, 2, 3, 4, 6, 8 rows)
+    # 7 rows of at most 10 + 8 + 3 slots: one slab of 256-slot rows, grown by half (1, 2, 3, 4, 6, 8 rows)
     allocated, held = peak(short)
-    assert allocated == 8 * 64 and held <= 7 * 18
+    assert allocated == 8 * 256 and held <= 7 * 18
     # One 600-token row: its own row of 1,024 slots; the others keep theirs (was 8 x 640 = 5,120).
     allocated, held = peak(short + random_prompts(81, 1, 600, 600))
-    assert allocated == 8 * 64 + 1024 and held >= 600
-    # Rows that cross class boundaries while decoding (60 + 8 > 64, 125 + 8 > 128) move, once each:
-    # 2 x 64 -> 3 x 128 (the slab grows by half) + 1 x 256.
-    allocated, held = peak(random_prompts(82, 2, 60, 60) + random_prompts(83, 1, 125, 125))
-    assert allocated == 3 * 128 + 256 and 245 <= held <= 262
+    assert allocated == 8 * 256 + 1024 and held >= 600
+    # Rows that cross class boundaries while decoding (250 + 8 > 256, 505 + 8 > 512) move, once each:
+    # at most 2 x 256 (before) + 3 x 512 (the 512 slab grown by half) + 1,024 at once.
+    allocated, held = peak(random_prompts(82, 2, 250, 250) + random_prompts(83, 1, 505, 505))
+    assert 2 * 512 + 1024 <= allocated <= 2 * 256 + 3 * 512 + 1024 and 1005 < held <= 1005 + 3 * 8

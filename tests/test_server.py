@@ -220,6 +220,7 @@ def test_client_disconnect_frees_its_row(server):
         time.sleep(0.05)
     assert m.get('batchspec_requests_total{outcome="abort"}', 0) == before + 1, server.output()[-4000:]
     assert m["batchspec_running_rows"] == 0 and m["batchspec_kv_slots_used"] == 0
+    assert m["batchspec_kv_slots_allocated"] == 0  # every slab freed once its rows left
 
 
 @pytest.mark.parametrize(

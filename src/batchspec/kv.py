@@ -7,7 +7,7 @@
   cache on every forward. Each function that moves entries (gather, stack) writes into a fresh
   buffer with `RESERVE` spare columns, enough for one speculative step without growing.
 - `SlotCache` (the `ragged` layout) keeps each row's slots in one row of a slab per size class
-  (64, 128, 256, ... slots), so memory follows the tokens held; before each forward the batch says
+  (256, 512, 1024, ... slots), so memory follows the tokens held; before each forward the batch says
   where each row writes, and each class's rows are attended over their own span (`RowParts`).
   Attention reads views of the slabs.
 - `reference_cache` is transformers' own `DynamicCache`, for the oracle and the invariant checker:
@@ -28,7 +28,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 
 SeqKV = list[tuple[torch.Tensor, torch.Tensor]]
 RESERVE = 32  # spare columns allocated past the width whenever entries are moved
-SLOT_BLOCK = 64  # a SlotCache's slots grow in multiples of this
+#: A SlotCache row's slots: FIRST_CLASS x 2**c in size class c. Each class in use costs a kernel
+#: call per layer; starting at 256 keeps most short rows (prompt + answer) in one class.
+FIRST_CLASS = 256
 
 
 class BufferLayer(CacheLayerMixin):
@@ -216,9 +218,9 @@ def pad_columns_left(cache: BufferCache, n: int) -> None:
 
 
 def slot_class(n: int) -> int:
-    """The size class of a row holding up to n entries: the smallest c with SLOT_BLOCK * 2**c >= n."""
+    """The size class of a row holding up to n entries: the smallest c with FIRST_CLASS * 2**c >= n."""
     c = 0
-    while SLOT_BLOCK << c < n:
+    while FIRST_CLASS << c < n:
         c += 1
     return c
 
@@ -232,7 +234,7 @@ class RowParts:
 
 
 class SlotLayer(CacheLayerMixin):
-    """One layer's slabs, one per size class in use: keys/values [rows, H_kv, SLOT_BLOCK * 2**c, D]."""
+    """One layer's slabs, one per size class in use: keys/values [rows, H_kv, FIRST_CLASS * 2**c, D]."""
 
     is_sliding = False
 
@@ -274,7 +276,7 @@ class SlotLayer(CacheLayerMixin):
 
 class SlotCache(Cache):
     """A transformers Cache over per-row slots for up to `capacity` batch rows. A row's entries are
-    slots 0.. of one row of the slab of its size class (`slot_class`: up to 64, 128, 256, ...
+    slots 0.. of one row of the slab of its size class (`slot_class`: up to 256, 512, 1024, ...
     entries); a row that outgrows its class moves to a larger one (its entries copied once), a
     slab grows by rows as its class fills and is freed when its class empties. So memory follows
     the tokens the rows hold (each row's slab row is less than twice its entries, beyond the first
@@ -307,7 +309,7 @@ class SlotCache(Cache):
 
     def room(self, row: int) -> int:
         """Entries batch row `row` can hold without moving (0 if it holds none)."""
-        return SLOT_BLOCK << self.place[row][0] if row in self.place else 0
+        return FIRST_CLASS << self.place[row][0] if row in self.place else 0
 
     def prepare(self, rows: int, positions: torch.Tensor) -> None:
         """Before a forward of q new entries for batch rows 0..rows-1 at slots positions [rows, q]:
@@ -386,7 +388,7 @@ class SlotCache(Cache):
             grown = min(self.capacity, have + max(1, have // 2))  # by half: copies stay amortized
             for layer in self.layers:
                 for slabs in (layer.keys, layer.values):
-                    new = self._zeros(grown, SLOT_BLOCK << c)
+                    new = self._zeros(grown, FIRST_CLASS << c)
                     if have:
                         new[:have] = slabs[c]
                     slabs[c] = new

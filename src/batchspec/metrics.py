@@ -38,6 +38,11 @@ class EngineCollector:
         yield _gauge(
             "batchspec_kv_slots_used", "Target KV slots holding entries of running rows", counters.kv_slots_used
         )
+        yield _gauge(
+            "batchspec_kv_slots_allocated",
+            "Target KV slots allocated (size-class slabs; freed as rows leave)",
+            counters.kv_slots_allocated,
+        )
         yield _gauge("batchspec_kv_slots_total", "Target KV tokens the budget allows across all rows", engine.budget)
 
 

@@ -66,6 +66,7 @@ class Counters:
     queue_length: int = 0
     running: int = 0
     kv_slots_used: int = 0
+    kv_slots_allocated: int = 0
 
 
 class OnlineEngine:
@@ -225,3 +226,4 @@ class OnlineEngine:
         self._update_queue()
         self.counters.running = len(self.loop.batch)
         self.counters.kv_slots_used = self.loop.batch.tokens_held()
+        self.counters.kv_slots_allocated = self.loop.batch.caches["target"].allocated

@@ -1,7 +1,7 @@
 """`ragged`: a realignment-free batch. Every row has its own cache offset; nothing is ever shifted.
 
 Row b's real entries are its slots 0 .. count_b - 1, kept for each role (target, draft) in a
-`kv.SlotCache`: one row of the slab of the row's size class (up to 64, 128, 256, ... slots). A
+`kv.SlotCache`: one row of the slab of the row's size class (up to 256, 512, 1024, ... slots). A
 forward of q new tokens per row writes them at slots o_b .. o_b + q - 1 (one scatter per class and
 layer) with positions o_b + i and a 4-D mask in which query i of row b sees slots j <= o_b + i.
 Rejected drafts are rolled back by not counting them: their slots are overwritten next step. No
@@ -20,7 +20,7 @@ running rows), then copied in once.
 Memory: `kv_budget_tokens` bounds the tokens reserved across all rows. A sequence is admitted
 only when its worst case (prompt + max_new_tokens + k + 1 draft slots) fits beside the
 reservations of the running rows, so a running row never waits for memory. Memory itself is
-allocated as rows fill: a row's slab row holds less than twice its entries (past 64), so the
+allocated as rows fill: a row's slab row holds less than twice its entries (past 256), so the
 slots allocated follow the tokens held (bench's `kv_peak_tokens`), not rows x longest request.
 """
 
