@@ -270,7 +270,7 @@ def _shrunk(hits: torch.Tensor, seen: torch.Tensor, prior: torch.Tensor) -> torc
 
 def attended_span(batch) -> int:
     """The slots a row's attention reads in the batch's next forward, on average, near enough: the
-    longest row's length, or what the layout says (the ragged layout cuts rows into runs)."""
+    longest row's length, or what the layout says (the ragged layout attends by size class)."""
     own = getattr(batch, "attended_span", None)
     return own() if own is not None else max(len(s) for s in batch.seqs)
 
