@@ -188,7 +188,7 @@ def test_wide_steps_when_verification_is_nearly_free(tiny_same):
     assert max(hist) == speculation.AUTO_K_MAX and hist[speculation.AUTO_K_MAX] > sum(hist.values()) / 2
     assert dec.speculation.any_bin[0] > 0.9  # every draft accepted: learned (prior 0.5)
     report = dec.stats.summary()["speculation"]
-    assert set(report["step_cost"]["1"]) == {"fixed_ms", "per_row_ms", "per_row_per_1k_span_ms"}
+    assert set(report["step_cost"]["1"]) == {"fixed_ms", "per_row_ms", "per_row_per_1k_span_ms", "scale"}
     assert report["acceptance_any_bin"][0] > 0.9
 
 
@@ -223,3 +223,16 @@ def test_cost_fit_recovers_each_widths_cost():
     assert model(8, 1, 500) == pytest.approx(cost(8, 1, 500) + extra, rel=1e-6)
     assert model(8, 2, 500) == pytest.approx(cost(8, 2, 500) + extra, rel=1e-6)  # one correction for all
     assert set(model.describe()) == {"1", "2", "5", "correction"}
+
+
+def test_each_width_learns_what_the_shared_correction_leaves():
+    """Plain steps cost their probe, 5-token verifies 1.5x theirs: the shared correction cannot fit
+    both, each width's scale takes the rest, so the model's ratio of the two tends to the true one."""
+    model = StepCost([(b, q, s, 0.01 + 0.002 * b * q) for q in (1, 5) for b in (1, 4, 16) for s in (10, 500)])
+    truth = {1: lambda b: 0.01 + 0.002 * b, 5: lambda b: 1.5 * (0.01 + 0.01 * b)}
+    for i in range(400):
+        q = 1 if i % 2 else 5
+        model.observe(8, q, 300, truth[q](8))
+    for q in (1, 5):
+        assert model(8, q, 300) == pytest.approx(truth[q](8), rel=0.05)
+    assert model.describe()["5"]["scale"] > model.describe()["1"]["scale"]

@@ -26,6 +26,8 @@ from . import kv
 
 #: A probe counts as a quarter of a timed step: the steps actually run soon dominate the fit.
 PROBE_WEIGHT = 0.25
+#: Weight of one timed step in its width's scale, and the scale's bounds (1 / limit .. limit).
+SCALE_RATE, SCALE_LIMIT = 0.05, 2.0
 #: S is in thousands of positions in the features, to keep the normal equations well scaled.
 _SPAN_UNIT = 1000.0
 
@@ -92,7 +94,9 @@ class StepCost:
     verify of 2-4 tokens per row over a long span can cost more than one of 5 (kernel choices), and
     the step from 1 to 2 tokens costs more than any later one (docs/benchmarks.md). The correction
     is shared so that a width rarely chosen is not judged by its bare forward while the others
-    carry the engine's overheads."""
+    carry the engine's overheads; what it leaves per width (measured: a plain step overestimated by
+    17% while wide verifies were by 7-10%, which biased the choice towards verifying) is a scale
+    per width, an exponential average of timed / modelled seconds (1 for a width never timed)."""
 
     def __init__(self, probes: list[Sample]):
         by_width: dict[int, list] = {}
@@ -100,12 +104,19 @@ class StepCost:
             by_width.setdefault(q, []).append((features(rows, span), seconds))
         self.widths = {q: LinearCost(points) for q, points in sorted(by_width.items())}
         self.correction = LinearCost([], signed=True)
+        self.scale: dict[int, float] = {}  # width q -> its timed steps / (fit + correction), averaged
 
     def __call__(self, rows: int, q: int, span: int) -> float:
-        return max(0.0, self._width(q)(rows, span) + self.correction(rows, span))
+        return self._base(rows, q, span) * self.scale.get(q, 1.0)
 
     def observe(self, rows: int, q: int, span: int, seconds: float) -> None:
         self.correction.observe(rows, span, seconds - self._width(q)(rows, span))
+        ratio = seconds / max(self._base(rows, q, span), 1e-6)  # what the shared correction leaves
+        scale = self.scale.get(q, 1.0)
+        self.scale[q] = min(SCALE_LIMIT, max(1 / SCALE_LIMIT, scale + SCALE_RATE * (ratio - scale)))
+
+    def _base(self, rows: int, q: int, span: int) -> float:
+        return max(0.0, self._width(q)(rows, span) + self.correction(rows, span))
 
     def _width(self, q: int) -> LinearCost:
         if q not in self.widths:  # an unprobed width (none probed: 0, the correction learns it all)
@@ -114,11 +125,12 @@ class StepCost:
         return self.widths[q]
 
     def describe(self) -> dict:
-        """{q: {fixed_ms, per_row_ms, per_row_per_1k_span_ms}} of the probe fits, and the
+        """{q: {fixed_ms, per_row_ms, per_row_per_1k_span_ms, scale}} of the probe fits, and the
         correction, JSON-ready."""
         names = ("fixed_ms", "per_row_ms", "per_row_per_1k_span_ms")
         ms = lambda m: {n: round(1e3 * c, 3) for n, c in zip(names, m.coef)}  # noqa: E731
-        return {str(q): ms(m) for q, m in self.widths.items()} | {"correction": ms(self.correction)}
+        widths = {str(q): ms(m) | {"scale": round(self.scale.get(q, 1.0), 3)} for q, m in self.widths.items()}
+        return widths | {"correction": ms(self.correction)}
 
 
 def time_forward(model, rows: int, q: int, span: int, repeats: int = 1) -> float:

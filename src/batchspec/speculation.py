@@ -209,7 +209,8 @@ class Adaptive:
 
     def describe(self) -> dict:
         """What the policy measured and learned (JSON-ready): the fitted costs per width q in ms,
-        t_q = fixed + per_row x B + per_row_per_1k_span x B S / 1000, and acceptance by bin."""
+        t_q = (fixed + per_row x B + per_row_per_1k_span x B S / 1000 + correction) x scale_q, and
+        acceptance by bin."""
         return {
             "step_cost": self.step_cost.describe(),
             "proposer_cost": self.prop_cost.describe(),
