@@ -27,7 +27,7 @@ from collections import deque
 from . import kv, tp
 from .batch import PaddedBatch
 from .sequence import Sequence, Status
-from .static import length_buckets
+from .static import buckets
 from .step import Context, feed, prefill
 
 MIN_CHUNK = 16  # a measured chunk never drops below this (tiny chunks waste a forward each)
@@ -128,10 +128,8 @@ class Admission:
         """Prefill whole prompts in length buckets and move them in."""
         batch.reserve(group)
         group = sorted(group, key=len)
-        finished, first = [], 0
-        for size in length_buckets([len(s) for s in group]):
-            rows = group[first : first + size]
-            first += size
+        finished = []
+        for rows in buckets(group):
             for seq in rows:
                 seq.status = Status.RUNNING
             caches = {role: kv.empty(model.config) for role, model in self.ctx.models().items()}

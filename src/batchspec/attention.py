@@ -66,10 +66,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     b, heads, q, dim = query.shape
     out = query.new_empty(b, q, heads, dim)
     for (rows, k), (_, v) in zip(key.parts, value.parts):
-        mask = attention_mask[..., : k.shape[2]]
-        if rows is None:
-            return _one(module, query, k, v, mask, scaling, dropout).contiguous(), None
-        part = _one(module, query.index_select(0, rows), k, v, mask.index_select(0, rows), scaling, dropout)
+        mask = attention_mask[..., : k.shape[2]].index_select(0, rows)
+        part = _one(module, query.index_select(0, rows), k, v, mask, scaling, dropout)
         out.index_copy_(0, rows, part)
     return out, None
 

@@ -226,10 +226,11 @@ def slot_class(n: int) -> int:
 
 
 class RowParts:
-    """A forward's keys (or values) as parts: each part's rows [m] of the batch (None: all rows, in
-    order) and their slots [m, H_kv, span, D], a view of one size class's slab (attention.py)."""
+    """A forward's keys (or values) as parts: each part's rows [m] of the batch and their slots
+    [m, H_kv, span, D], a view of one size class's slab (attention.py). A forward whose rows are
+    all in one class, in order, gets plain tensors instead."""
 
-    def __init__(self, parts: list[tuple[torch.Tensor | None, torch.Tensor]]):
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor]]):
         self.parts = parts
 
 
@@ -292,15 +293,13 @@ class SlotCache(Cache):
         self.dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.capacity, self.dtype, self.device = capacity, dtype, device
         super().__init__(layers=[SlotLayer(self) for _ in range(config.num_hidden_layers)])
+        element = torch.empty(0, dtype=dtype).element_size()
+        self.bytes_per_token = 2 * len(self.layers) * self.heads * self.dim * element  # all layers, K and V
         self.place: dict[int, tuple[int, int]] = {}
         self.members: dict[int, list[int]] = {}
         self.filled: dict[int, int] = {}  # batch row -> slots written (what a move copies)
         self.plan: list[tuple[int, torch.Tensor | None, torch.Tensor, int]] = []
         self.span = 0
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * len(self.layers) * self.heads * self.dim * torch.empty(0, dtype=self.dtype).element_size()
 
     @property
     def allocated(self) -> int:
@@ -345,21 +344,8 @@ class SlotCache(Cache):
         """Batch row `row` holds nothing from now on (its slab row is reused)."""
         if row not in self.place:
             return
-        c, i = self.place.pop(row)
         self.filled.pop(row)
-        members = self.members[c]
-        last = members.pop()
-        if last != row:  # the slab's last used row fills the hole
-            n = self.filled[last]
-            for layer in self.layers:
-                for slab in (layer.keys[c], layer.values[c]):
-                    slab[i, :, :n] = slab[len(members), :, :n]
-            members[i] = last
-            self.place[last] = (c, i)
-        if not members:
-            del self.members[c]
-            for layer in self.layers:
-                del layer.keys[c], layer.values[c]
+        self._vacate(*self.place.pop(row))
 
     def move_row(self, src: int, dst: int) -> None:
         """Batch row `src` becomes batch row `dst` (which holds nothing): no entry is copied."""
@@ -399,12 +385,27 @@ class SlotCache(Cache):
     def _move(self, row: int, c: int) -> None:
         """Move batch row `row` to class c, copying its entries once."""
         old, i = self.place[row]
-        n = self.filled[row]
-        saved = [(layer.keys[old][i, :, :n].clone(), layer.values[old][i, :, :n].clone()) for layer in self.layers]
-        self.release(row)
         self._assign(row, c)
         _, j = self.place[row]
-        for layer, (k, v) in zip(self.layers, saved):
-            layer.keys[c][j, :, :n] = k
-            layer.values[c][j, :, :n] = v
-        self.filled[row] = n
+        n = self.filled[row]
+        for layer in self.layers:
+            layer.keys[c][j, :, :n] = layer.keys[old][i, :, :n]
+            layer.values[c][j, :, :n] = layer.values[old][i, :, :n]
+        self._vacate(old, i)
+
+    def _vacate(self, c: int, i: int) -> None:
+        """Slab row i of class c is free: the slab's last used row fills the hole (or the slab is
+        freed when it was the last)."""
+        members = self.members[c]
+        last = members.pop()
+        if i < len(members):
+            n = self.filled[last]
+            for layer in self.layers:
+                for slab in (layer.keys[c], layer.values[c]):
+                    slab[i, :, :n] = slab[len(members), :, :n]
+            members[i] = last
+            self.place[last] = (c, i)
+        if not members:
+            del self.members[c]
+            for layer in self.layers:
+                del layer.keys[c], layer.values[c]

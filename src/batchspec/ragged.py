@@ -33,7 +33,7 @@ from .batch import PaddedBatch
 from .errors import BatchspecError
 from .loop import Loop
 from .sequence import Sequence
-from .static import length_buckets
+from .static import buckets
 from .step import Context
 
 #: Offline admission's chunk: unbounded (measured: chunking offline cost `ragged` 0.91x -> 0.66x `ar`
@@ -115,14 +115,14 @@ class RaggedBatch:
         start = self.heads[role][:n]
         positions = (start[:, None] + torch.arange(q, device=self.device)[None, :]).clamp(min=0)  # [n, q]
         cache.prepare(n, positions)  # size classes: each attends over its own rows' span
-        self._measure()
         mask = torch.arange(cache.span, device=self.device)[None, None, :] <= positions[:, :, None]  # [n, q, span]
         self.heads[role][:n] = start + q
         return {"attention_mask": mask[:, None], "position_ids": positions, "cache": cache}
 
     def _measure(self) -> None:
         """Track the peaks of the target's slots allocated and entries held, and of the bytes
-        allocated (all roles)."""
+        allocated (all roles). Called once a step, before retiring: slabs grow only as rows are
+        admitted or fed, and shrink only as rows leave."""
         self.peak_tokens = max(self.peak_tokens, self.caches["target"].allocated)
         self.peak_held = max(self.peak_held, self.tokens_held())
         now = sum(cache.allocated * cache.bytes_per_token for cache in self.caches.values())
@@ -143,6 +143,7 @@ class RaggedBatch:
         for role in self.fed:
             self.counts[role][:n] = torch.minimum(self.heads[role][:n], lengths - 1)
         self.fed.clear()
+        self._measure()
         return self.retire()
 
     def retire(self) -> list[Sequence]:
@@ -181,10 +182,7 @@ class RaggedBatch:
             (b for b in range(n) if int(self.counts[role][b]) == 0 and len(self.seqs[b]) > 1),
             key=lambda b: len(self.seqs[b]),
         )
-        first = 0
-        for size in length_buckets([len(self.seqs[b]) for b in cold]):
-            rows = cold[first : first + size]
-            first += size
+        for rows in buckets(cold, lambda b: len(self.seqs[b])):
             part = PaddedBatch(
                 [self.seqs[b] for b in rows], {role: kv.empty(proposer.model.config)}, self.pad_id, self.device
             )

@@ -28,16 +28,24 @@ def length_buckets(lengths: list[int], slack: float = 1.25) -> list[int]:
     return sizes + [n] if n else sizes
 
 
+def buckets(items: list, length=len) -> list[list]:
+    """`items`, ascending by `length`, cut into the consecutive groups of `length_buckets`."""
+    groups, first = [], 0
+    for size in length_buckets([length(item) for item in items]):
+        groups.append(items[first : first + size])
+        first += size
+    return groups
+
+
 def start_bucketed(ctx: Context, seqs: list[Sequence]) -> PaddedBatch:
     """`start` for a static batch, prefilled in length buckets, then stacked into one padded batch."""
     seqs = sorted(seqs, key=len)
-    sizes = length_buckets([len(s) for s in seqs])
-    if len(sizes) == 1:
+    groups = buckets(seqs)
+    if len(groups) == 1:
         return start(ctx, seqs)
-    store, first = Store(ctx), 0
-    for size in sizes:
-        batch = store.prefill(seqs[first : first + size])
-        first += size
+    store = Store(ctx)
+    for group in groups:
+        batch = store.prefill(group)
     live = [s for s in seqs if not s.finished]
     if not live:
         return batch  # empty: every row finished at its first token
