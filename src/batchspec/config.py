@@ -13,7 +13,7 @@ from . import methods
 from .errors import BatchspecError
 from .speculation import AUTO_K_MAX
 
-PROPOSERS = ("draft", "ngram", "eagle")
+PROPOSERS = ("draft", "ngram", "eagle", "ngram+eagle", "ngram+draft")
 
 
 def _is_int(x: object) -> bool:

@@ -16,7 +16,7 @@ from .config import EngineConfig, SamplingParams
 from .detok import StopStrings
 from .errors import BatchspecError
 from .models import ModelPair, load_pair
-from .proposer import DraftProposer, EagleProposer, NgramProposer
+from .proposer import DraftProposer, EagleProposer, LookupFirst, NgramProposer
 from .sampling import request_seed
 from .sequence import GenerationOutput, Sequence
 from .speculation import Adaptive, Fixed
@@ -53,6 +53,17 @@ class SpecDecoder:
         self.proposer_name = name if self.config.speculative else None
         if not self.config.speculative:
             return None
+        if name.startswith("ngram+"):  # lookup where it matches, the model elsewhere
+            if methods.get(self.config.method).broken:
+                raise BatchspecError(
+                    f"method {self.config.method!r} cannot run --proposer {name}: its batch keeps rejected "
+                    "drafts in the caches, which the combined proposer must rewind; use draft, eagle or ngram"
+                )
+            return LookupFirst(self._model_proposer(name.removeprefix("ngram+")), NgramProposer(pair.vocab_size))
+        return self._model_proposer(name)
+
+    def _model_proposer(self, name: str):
+        pair = self.pair
         if name == "ngram":
             return NgramProposer(pair.vocab_size)
         if name == "eagle":

@@ -7,6 +7,9 @@ that adaptive speculation (speculation.py) learns acceptance rates by; acceptanc
 - `EagleProposer`: a draft head that reads the target's own final hidden states (eagle.py), in
   the "draft" cache role; it has `features`, which the step fills from every target forward.
 - `NgramProposer`: prompt lookup in the row's own tokens; no model, no cache (role None).
+- `LookupFirst`: per row, prompt lookup where it found a match of at least `MIN_MATCH` tokens,
+  else a model proposer's drafts (`--proposer ngram+eagle`, `ngram+draft`): lookup wins where the
+  answer copies its prompt, the model on open-ended text.
 
 A row may propose fewer than k tokens (`num_proposed`); positions beyond are never accepted, so a
 row behaves exactly as if it had been asked for that many, whatever the rest of the batch does.
@@ -141,6 +144,48 @@ class EagleProposer(DraftProposer):
             carry = self.features.read(batch.seqs, inputs["position_ids"], self.model.dtype)
         out = self.model(input_ids=ids, features=carry, use_cache=True, logits_to_keep=1, **inputs)
         return out.logits, out.hidden_states
+
+
+#: `LookupFirst` takes a row's lookup drafts when they continue a match of at least this many tokens.
+MIN_MATCH = 2
+
+
+class LookupFirst:
+    """Prompt lookup first, a model proposer where lookup has no match of `min_match` tokens.
+    The model's cache is rewound after each proposal (as the head's always is): rows that take the
+    lookup's drafts leave no entries of the model's own drafts behind, and accepted tokens are fed
+    to the model on the next step. Bins: the model's (0 .. model.bins - 1), then model.bins + the
+    lookup's match length. The model is not called when every row takes the lookup's drafts."""
+
+    def __init__(self, model_proposer: DraftProposer, lookup: NgramProposer, min_match: int = MIN_MATCH):
+        model_proposer.rewinds = True
+        self.inner, self.lookup, self.min_match = model_proposer, lookup, min_match
+        self.role, self.model = model_proposer.role, model_proposer.model
+        self.bins = model_proposer.bins + lookup.bins
+        if hasattr(model_proposer, "features"):
+            self.features = model_proposer.features
+
+    def feed(self, batch: Layout, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.feed(batch, ids)
+
+    def propose(
+        self, batch: Layout, k: int, params: RowParams, noise: torch.Tensor | None, stop: StopRule | None = None
+    ) -> Proposal:
+        found = self.lookup.propose(batch, k, params, noise)
+        take = (found.num_proposed > 0) & (found.signal[:, 0] >= self.min_match)  # [B] rows that take lookup's
+        if bool(take.all()):
+            return Proposal(found.drafts, found.num_proposed, found.signal + self.inner.bins)
+        mine = torch.where(take[:, None], found.signal + self.inner.bins, 0)  # [B, k]
+
+        def merged_stop(i: int, bins: torch.Tensor) -> bool:  # the policy sees each row's own source
+            return stop(i, torch.where(take[:, None], mine[:, : i + 1], bins))
+
+        drafted = self.inner.propose(batch, k, params, noise, None if stop is None else merged_stop)
+        j = drafted.drafts.shape[1]
+        counts = torch.where(take, found.num_proposed.clamp(max=j), j)
+        drafts = torch.where(take[:, None], found.drafts[:, :j], drafted.drafts)
+        signal = torch.where(take[:, None], mine[:, :j], drafted.signal)
+        return Proposal(drafts, counts, signal)
 
 
 class NgramProposer:
