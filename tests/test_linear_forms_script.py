@@ -1,0 +1,27 @@
+"""scripts/linear_forms.py end to end on the tiny pair: one row per shape, both arms timed."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import run_script
+
+
+def test_linear_forms_tiny(tmp_path):
+    out = tmp_path / "forms.json"
+    run_script(
+        "linear_forms.py",
+        "--pair",
+        "tiny",
+        "--batch-sizes",
+        "1,2",
+        "--widths",
+        "1,3",
+        "--rounds",
+        "1",
+        "--json",
+        str(out),
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["B"], r["q"]) for r in rows] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert all(r["F.linear_ms"] > 0 and r["tuned_ms"] > 0 and r["form"] in ("plain", "transposed") for r in rows)
