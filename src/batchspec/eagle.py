@@ -30,6 +30,7 @@ from transformers import LlamaModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .draft import WEIGHTS_DIR, draft_config
+from .linears import project
 
 EAGLE_FILE = os.path.join(WEIGHTS_DIR, "smollm2_eagle.safetensors")
 SHARED = ("model.embed_tokens.weight", "head")  # the target's tensors, never stored
@@ -98,7 +99,8 @@ class EagleHead(torch.nn.Module):
         hidden = self.hidden(input_ids, features, attention_mask, position_ids, cache, use_cache)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(logits=hidden @ self.head.T, hidden_states=hidden)
+        logits = project(hidden, self.head, table=getattr(self.fc, "table", None))  # tuned with fc, if it is
+        return CausalLMOutputWithPast(logits=logits, hidden_states=hidden)
 
     def stored_state(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
         """Everything but the target's tensors; floats in `dtype`."""

@@ -88,11 +88,19 @@ class TunedLinear(torch.nn.Module):
         table.layers.append(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if rows == 0 or rows > TUNE_MAX:
-            return F.linear(x, self.weight, self.bias)
-        out = self.table.form(rows)(x.reshape(rows, self.in_features), self.weight, self.bias)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return project(x, self.weight, self.bias, self.table)
+
+
+def project(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, table: FormTable | None = None
+) -> torch.Tensor:
+    """x [.., I] @ weight [O, I]^T (+ bias) -> [.., O], in `table`'s form for x's row count
+    (F.linear without a table or above TUNE_MAX rows)."""
+    rows = x.numel() // weight.shape[1]
+    if table is None or rows == 0 or rows > TUNE_MAX:
+        return F.linear(x, weight, bias)
+    out = table.form(rows)(x.reshape(rows, weight.shape[1]), weight, bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def tune_linears(model: torch.nn.Module) -> FormTable | None:
