@@ -176,6 +176,24 @@ def test_plain_steps_when_verification_cannot_pay(tiny64):
     assert [o.token_ids for o in outs] == reference_tokens(tiny64, prompts, 16)
 
 
+def test_explores_when_estimates_keep_it_from_verifying(tiny64):
+    """Verification never pays by the costs it knows: still, after EXPLORE_EVERY steps without a
+    verified draft, one step verifies one draft (and no more often)."""
+    spy = _Spy(tiny64.vocab_size)
+    policy = _adaptive(tiny64, spy, _costs(per_token=1.0, fixed=0.0))
+    dec = SpecDecoder(tiny64, method="ragged", batch_size=1, k="auto", proposer="ngram")
+    dec.proposer, dec.speculation = spy, policy
+    prompts = [[5, 6, 7] * 10]  # repetitive: lookup finds matches
+    params = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    outs = dec.generate(prompts, params)
+    ref = SpecDecoder(tiny64, method="reference").generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref] and len(ref[0].token_ids) == 100
+    steps = sum(dec.stats.chosen_k.values())
+    assert dec.stats.chosen_k.get(1, 0) == spy.calls >= 2
+    assert spy.calls <= steps // (speculation.EXPLORE_EVERY + 1) + 1
+    assert set(dec.stats.chosen_k) == {0, 1}
+
+
 def test_wide_steps_when_verification_is_nearly_free(tiny_same):
     """Verification costs almost nothing beyond a plain step and the draft (the target itself)
     is always right: the policy learns it and verifies the most drafts."""

@@ -23,7 +23,10 @@ from .models import DTYPES, PAIRS, load_pair, target_config
 from .prompts import Prompt, read_prompts
 from .speculation import AUTO_K_MAX
 
-PROPOSER_HELP = "draft model, n-gram lookup, or the draft head reading the target's features (default: the pair's)"
+PROPOSER_HELP = (
+    "draft model, n-gram lookup, the draft head reading the target's features, or lookup first and "
+    "a model elsewhere (ngram+eagle, ngram+draft) (default: the pair's)"
+)
 K_HELP = (
     "draft tokens per row and step: N, or auto (default: chosen every step from measured costs, "
     f"0..{AUTO_K_MAX} per row)"

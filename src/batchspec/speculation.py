@@ -21,6 +21,9 @@ average), relaxing towards 1 while the row does not speculate. All expected acce
 scaled by the realised / predicted ratio of the recent verify steps (the choice favours steps
 whose estimates happen to be high, so uncorrected estimates run optimistic).
 
+Estimates only change where steps test them, so after EXPLORE_EVERY steps without a verified draft
+the next step that can propose verifies at least one (at most one 2-token verify per 32 steps).
+
 The k = 0 arm has no tax: before proposing, if no width q > 1 can beat a plain step (for a cheap
 proposer even if every row's drafts were of its best bin; for a draft model at the acceptance seen
 so far), the step is plain decoding (no proposer call, no extra tensors). Nor does a draft model's
@@ -53,6 +56,10 @@ CALIBRATION_DECAY = 0.98
 PSEUDO = 2.0
 #: Weight of one step's observation in a row's accepted / expected ratio.
 ROW_RATE = 0.3
+#: After this many steps in a row without a verified draft, the next step that can propose
+#: verifies at least one: estimates that turned pessimistic (acceptance, a width's cost) are only
+#: corrected by steps that test them. Costs at most one 2-token verify per this many steps.
+EXPLORE_EVERY = 32
 
 
 @runtime_checkable
@@ -118,6 +125,7 @@ class Adaptive:
         self._estimate()
         self.calibration = [1.0, 1.0]  # decayed sums: accepted drafts predicted, realised
         self.predicted = 0.0
+        self.unverified = 0  # steps since the last one that verified a draft
         self.ratio: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> r_b
 
     # --- before proposing -----------------------------------------------------------------
@@ -129,8 +137,12 @@ class Adaptive:
         # when the acceptance seen so far, whatever the bin, can.
         prior = self.table.max(dim=0).values if self.proposer.model is None else self.any_bin
         a = (prior[None, :] * r[:, None]).clamp(max=0.98)
-        prop_s = self._forwards(self.k_max) * self.prop_cost(rows, 1, span)
-        if int(self._rates(a.cumprod(dim=1), prop_s, rows, span, sunk=False).argmax()) == 0:
+        # A lookup costs one call whatever the width; a model one forward per draft verified (the
+        # stop rule ends drafting at the width worth verifying).
+        call = self.prop_cost(rows, 1, span)
+        model = self.proposer.model is not None
+        rates = self._rates(a.cumprod(dim=1), 0.0 if model else call, rows, span, sunk=False, per_draft=call * model)
+        if int(rates.argmax()) == 0 and self.unverified < EXPLORE_EVERY:
             for seq, r_b in zip(batch.seqs, r.tolist()):  # a row that does not speculate drifts back to average
                 self.ratio[seq] = r_b + 0.05 * (1.0 - r_b)
             return 0
@@ -167,6 +179,8 @@ class Adaptive:
         spent = time.perf_counter() - started
         p = a.cumprod(dim=1)
         width = int(self._rates(p, spent, rows, span).argmax())
+        if width == 0 and self.unverified >= EXPLORE_EVERY and bool((a[:, 0] > 0).any()):
+            width = 1  # explore: test the estimates that keep this policy from verifying
         self.predicted = float(p[:, :width].sum())  # accepted drafts expected (before calibration)
         return width
 
@@ -174,6 +188,7 @@ class Adaptive:
         """Learn from a finished step: acceptance by bin and position, each row's ratio, costs."""
         rows = len(num_accepted)
         self.step_cost.observe(rows, width + 1, span, step_s)
+        self.unverified = 0 if width > 0 else self.unverified + 1
         if proposal is None:
             return
         if width > 0:  # predicted vs realised accepted drafts, over the recent verify steps
@@ -241,15 +256,21 @@ class Adaptive:
         """Proposer calls that `drafts` drafts take: one per draft for a model, one for a lookup."""
         return drafts if self.proposer.model is not None else 1
 
-    def _rates(self, p: torch.Tensor, prop_s: float, rows: int, span: int, sunk: bool = True) -> torch.Tensor:
+    def _rates(
+        self, p: torch.Tensor, prop_s: float, rows: int, span: int, sunk: bool = True, per_draft: float = 0.0
+    ) -> torch.Tensor:
         """p [B, j]: probability that drafts 1..l are all accepted -> expected tokens per second of
         widths q = 1 .. j + 1 (index q - 1). The proposer's time `prop_s` is already spent (`sunk`,
-        charged to every width) or still avoidable (charged to widths q > 1 only)."""
+        charged to every width) or still avoidable (charged to widths q > 1 only); `per_draft` more
+        is charged per draft a width verifies (q - 1 of them: drafting still to do)."""
         predicted, realised = self.calibration
         extra = torch.cat([torch.zeros(1, dtype=torch.float64), p.sum(dim=0).cumsum(dim=0)])
         tokens = rows + extra * min(2.0, max(0.25, realised / predicted))
         seconds = torch.tensor(
-            [self.step_cost(rows, q, span) + (prop_s if sunk or q > 1 else 0.0) for q in range(1, p.shape[1] + 2)],
+            [
+                self.step_cost(rows, q, span) + (prop_s if sunk or q > 1 else 0.0) + per_draft * (q - 1)
+                for q in range(1, p.shape[1] + 2)
+            ],
             dtype=torch.float64,
         )
         return tokens / seconds.clamp(min=1e-9)
