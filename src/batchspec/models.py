@@ -132,7 +132,9 @@ def load_pair(
         result.head.to(device)  # its copy of the target's output rows too; the embedding is shared
     if result.draft_vocab_ids is not None:
         result.draft_vocab_ids = result.draft_vocab_ids.to(device)
-    for model in (result.target, result.draft, result.head):  # on a CPU: the faster BLAS form per row count
+    # On a CPU: the faster BLAS formulation per row count. Not a sharded target: its linear layers
+    # carry transformers' tensor-parallel hooks.
+    for model in (result.target if tp_size == 1 else None, result.draft, result.head):
         if model is not None:
             tune_linears(model)
     return result
