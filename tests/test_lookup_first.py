@@ -127,19 +127,3 @@ def test_both_sources_propose_and_get_accepted(one_layer, proposer, monkeypatch)
 def test_refused_by_the_broken_baselines(one_layer):
     with pytest.raises(BatchspecError, match="rewind"):
         SpecDecoder(one_layer, method="bsp", proposer="ngram+draft")
-
-
-def test_auto_plans_by_the_models_own_acceptance(one_layer):
-    """`auto` decides whether to run the model from its own drafts' record: lookup's bins (which
-    accept far more) do not lift the pooled estimate."""
-    from batchspec.speculation import Adaptive
-
-    dec = SpecDecoder(one_layer, proposer="ngram+eagle", method="ragged", k="auto")
-    policy = Adaptive(one_layer.target, dec.proposer, 2)
-    own = dec.proposer.model_bins
-    assert own < dec.proposer.bins
-    policy.hits[:own], policy.seen[:own] = 10.0, 100.0  # the model's drafts: 10% accepted
-    policy.hits[own:], policy.seen[own:] = 95.0, 100.0  # lookup's: 95%
-    policy._estimate()
-    assert abs(float(policy.any_bin[0]) - 0.1) < 0.02
-    assert float(policy.table[own + 2, 0]) > 0.9  # per-bin estimates keep lookup's rate

@@ -155,15 +155,13 @@ class LookupFirst:
     The model's cache is rewound after each proposal (as the head's always is): rows that take the
     lookup's drafts leave no entries of the model's own drafts behind, and accepted tokens are fed
     to the model on the next step. Bins: the model's (0 .. model.bins - 1), then model.bins + the
-    lookup's match length (`model_bins`: the model's). The model is not called when every row takes
-    the lookup's drafts."""
+    lookup's match length. The model is not called when every row takes the lookup's drafts."""
 
     def __init__(self, model_proposer: DraftProposer, lookup: NgramProposer, min_match: int = MIN_MATCH):
         model_proposer.rewinds = True
         self.inner, self.lookup, self.min_match = model_proposer, lookup, min_match
         self.role, self.model = model_proposer.role, model_proposer.model
         self.bins = model_proposer.bins + lookup.bins
-        self.model_bins = model_proposer.bins  # the bins of the model's own drafts (speculation.py plans by them)
         if hasattr(model_proposer, "features"):
             self.features = model_proposer.features
 

@@ -239,14 +239,10 @@ class Adaptive:
     def _estimate(self) -> None:
         """table [bins, k_max] and any_bin [k_max] from the decayed counts: each cell's rate,
         shrunk towards the cell before it (the first towards the prior) by PSEUDO observations, so
-        a position never tested yet is expected to do as the one before it. any_bin pools the
-        model's own bins only (`proposer.model_bins`; a combined proposer's lookup bins accept far
-        more, and rows whose lookup matches do not need the model's forwards planned for)."""
+        a position never tested yet is expected to do as the one before it."""
         self.table = _shrunk(self.hits, self.seen, self.prior)
-        own = getattr(self.proposer, "model_bins", self.proposer.bins)
-        any_prior = torch.tensor([float(self.prior[:own].mean())], dtype=torch.float64)
-        hits, seen = self.hits[:own].sum(0, keepdim=True), self.seen[:own].sum(0, keepdim=True)
-        self.any_bin = _shrunk(hits, seen, any_prior)[0]
+        any_prior = torch.tensor([float(self.prior.mean())], dtype=torch.float64)
+        self.any_bin = _shrunk(self.hits.sum(0, keepdim=True), self.seen.sum(0, keepdim=True), any_prior)[0]
 
     def _ratios(self, seqs) -> torch.Tensor:
         return torch.tensor([self.ratio.get(s, 1.0) for s in seqs], dtype=torch.float64)
