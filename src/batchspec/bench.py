@@ -22,7 +22,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from . import methods
-from .config import EngineConfig, SamplingParams
+from .config import EngineConfig, SamplingParams, model_proposer
 from .costs import cost_table, speed_of_light
 from .engine import SpecDecoder
 
@@ -117,7 +117,7 @@ def bench(
                 samples[c].append(run_one(pair, prompts, *c, params, proposer, options, decoders))
                 bar.update(1)
     name = next((s[0]["proposer"] for s in samples.values() if s[0]["proposer"]), None)  # ar has none
-    drafter = {"draft": pair.draft, "eagle": pair.head}.get((name or "").split("+")[-1])  # a model to time
+    drafter = {"draft": pair.draft, "eagle": pair.head}.get(model_proposer(name))  # a model to time
     has_draft = drafter is not None
     context = int(statistics.mean(len(p) for p in _encoded(pair, prompts)) + params.max_new_tokens / 2)
     widths = max((EngineConfig(method=m, k=kk).k_max for m, _, kk in runs if kk is not None), default=0)

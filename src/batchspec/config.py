@@ -14,6 +14,15 @@ from .errors import BatchspecError
 from .speculation import AUTO_K_MAX
 
 PROPOSERS = ("draft", "ngram", "eagle", "ngram+eagle", "ngram+draft")
+#: A combined proposer's name: this prefix, then its model proposer's name (proposer.LookupFirst).
+LOOKUP_FIRST = "ngram+"
+
+
+def model_proposer(name: str | None) -> str | None:
+    """The proposer that runs a model in `name` ("draft" or "eagle", also inside "ngram+eagle"),
+    else None."""
+    model = (name or "").removeprefix(LOOKUP_FIRST)
+    return model if model in ("draft", "eagle") else None
 
 
 def _is_int(x: object) -> bool:

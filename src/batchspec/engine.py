@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import methods, tp
-from .config import EngineConfig, SamplingParams
+from .config import LOOKUP_FIRST, EngineConfig, SamplingParams, model_proposer
 from .detok import StopStrings
 from .errors import BatchspecError
 from .models import ModelPair, load_pair
@@ -53,13 +53,13 @@ class SpecDecoder:
         self.proposer_name = name if self.config.speculative else None
         if not self.config.speculative:
             return None
-        if name.startswith("ngram+"):  # lookup where it matches, the model elsewhere
+        if name.startswith(LOOKUP_FIRST):  # lookup where it matches, the model elsewhere
             if methods.get(self.config.method).broken:
                 raise BatchspecError(
                     f"method {self.config.method!r} cannot run --proposer {name}: its batch keeps rejected "
                     "drafts in the caches, which the combined proposer must rewind; use draft, eagle or ngram"
                 )
-            return LookupFirst(self._model_proposer(name.removeprefix("ngram+")), NgramProposer(pair.vocab_size))
+            return LookupFirst(self._model_proposer(model_proposer(name)), NgramProposer(pair.vocab_size))
         return self._model_proposer(name)
 
     def _model_proposer(self, name: str):

@@ -6,7 +6,7 @@ of docs/benchmarks.md, SmolLM2-135M's 211 float32 weights take 34 ms at M = 1, 5
 45 ms at M = 4, while the same products computed as `(W @ x^T)^T` take 15-24 ms at M = 2 .. 4
 (M = 1 is padded to two rows: as a matrix-vector product it takes the slow path again).
 
-`tune_linears(model)` swaps every bias-free or biased `nn.Linear` of a CPU model for a
+`tune_linears(model)` swaps every `nn.Linear` (with or without bias) of a CPU model for a
 `TunedLinear` over the same Parameters (tied embeddings stay tied). The model's layers share one
 `FormTable`: the first time a row count M <= TUNE_MAX is seen, it times each formulation over all
 of the model's weights in turn (as a forward streams them from memory, not from a warm cache) and
@@ -60,18 +60,21 @@ class FormTable:
 
     @torch.no_grad()
     def _fastest(self, rows: int) -> str:
-        inputs = {}
+        inputs = {}  # one random input per (width, dtype, device), shared by the layers that take it
+        calls = []  # (x, weight, bias) per layer
         for layer in self.layers:
-            key = (layer.in_features, layer.weight.dtype, layer.weight.device)
+            w = layer.weight
+            key = (layer.in_features, w.dtype, w.device)
             if key not in inputs:
-                inputs[key] = torch.randn(rows, key[0], dtype=key[1], device=key[2])
+                inputs[key] = torch.randn(rows, layer.in_features, dtype=w.dtype, device=w.device)
+            calls.append((inputs[key], w, layer.bias))
         seconds = {}
         for name, form in FORMS.items():
             runs = []
             for _ in range(TUNE_RUNS + 1):  # the first sweep warms up
                 start = time.perf_counter()
-                for layer in self.layers:
-                    form(inputs[(layer.in_features, layer.weight.dtype, layer.weight.device)], layer.weight, layer.bias)
+                for x, w, b in calls:
+                    form(x, w, b)
                 runs.append(time.perf_counter() - start)
             seconds[name] = min(runs[1:])
         return min(seconds, key=seconds.get)

@@ -26,11 +26,12 @@ the next step that can propose verifies at least one (at most one 2-token verify
 
 The k = 0 arm has no tax: before proposing, if no width q > 1 can beat a plain step (for a cheap
 proposer even if every row's drafts were of its best bin; for a draft model at the acceptance seen
-so far), the step is plain decoding (no proposer call, no extra tensors). Nor does a draft model's
-prefill tax it: the ragged layout does not feed a sequence's prompt to the draft at admission
-(`lazy`) but when a step first drafts for it (`RaggedBatch.warm`). A draft model stops drafting as
-soon as one more draft is expected to lower the rate. Every row is verified over the same width q (the
-layouts' forwards are rectangular); row b verifies k_b = min(q - 1, its drafts) of them.
+so far, one forward per draft a width verifies), the step is plain decoding (no proposer call, no
+extra tensors). Nor does a draft model's prefill tax it: the ragged layout does not feed a
+sequence's prompt to the draft at admission (`lazy`) but when a step first drafts for it
+(`RaggedBatch.warm`). A draft model stops drafting as soon as one more draft is expected to lower
+the rate. Every row is verified over the same width q (the layouts' forwards are rectangular);
+row b verifies k_b = min(q - 1, its drafts) of them.
 
 Output never depends on these choices (acceptance.py, sampling.py); only speed does.
 """
