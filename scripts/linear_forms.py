@@ -1,5 +1,5 @@
 """Target forward times with every linear layer as `F.linear` against the formulation linears.py
-measures per row count (`(W @ x^T)^T` where faster), side by side in rounds.
+measures per row count (`(W @ x^T)^T` or oneDNN's where faster), side by side in rounds.
 
     python scripts/linear_forms.py [--pair default] [--dtype float32] [--batch-sizes 1,4,8,16] \\
         [--widths 1,2,3,5] [--span 300] [--rounds 3] [--json OUT]
@@ -15,7 +15,7 @@ import json
 
 from batchspec import load_pair
 from batchspec.costmodel import time_forward
-from batchspec.linears import TUNE_MAX, TunedLinear
+from batchspec.linears import LARGE, TUNE_MAX, TunedLinear, bucket
 
 
 def table_of(model):
@@ -41,7 +41,7 @@ def main() -> None:
     for b, q in shapes:  # measure the choices first (and warm every shape)
         time_forward(model, b, q, args.span)
     tuned = dict(table.choice)
-    plain = {m: "plain" for m in range(1, TUNE_MAX + 1)}
+    plain = {m: "plain" for m in [*range(1, TUNE_MAX + 1), LARGE]}
     best: dict = {}
     for _ in range(args.rounds):
         for b, q in shapes:
@@ -54,7 +54,7 @@ def main() -> None:
     rows = []
     for b, q in shapes:
         a, t = best[(b, q, "F.linear")], best[(b, q, "tuned")]
-        form = tuned.get(b * q, "plain")
+        form = tuned.get(bucket(b * q), "plain")
         rows.append({"B": b, "q": q, "F.linear_ms": round(a, 2), "tuned_ms": round(t, 2), "form": form})
         print(f"B={b:<3} q={q}  F.linear {a:7.1f} ms  tuned {t:7.1f} ms  ({a / t:4.2f}x, {form})", flush=True)
     if args.json:

@@ -24,4 +24,5 @@ def test_linear_forms_tiny(tmp_path):
     )
     rows = json.loads(out.read_text())["rows"]
     assert [(r["B"], r["q"]) for r in rows] == [(1, 1), (1, 3), (2, 1), (2, 3)]
-    assert all(r["F.linear_ms"] > 0 and r["tuned_ms"] > 0 and r["form"] in ("plain", "transposed") for r in rows)
+    assert all(r["F.linear_ms"] > 0 and r["tuned_ms"] > 0 for r in rows)
+    assert {r["form"] for r in rows} <= {"plain", "transposed", "onednn"}

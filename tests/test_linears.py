@@ -1,6 +1,6 @@
-"""linears.py: TunedLinear computes nn.Linear's products in either formulation, for any row count;
-tune_linears swaps every linear layer and keeps tied weights tied; decoding with each
-formulation forced equals `reference` for every method."""
+"""linears.py: TunedLinear computes nn.Linear's products in every formulation, for any row count;
+tune_linears swaps every linear layer and keeps tied weights tied; oneDNN's packed copies follow
+the weights; decoding with each formulation forced equals `reference` for every method."""
 
 from __future__ import annotations
 
@@ -11,26 +11,42 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchspec import SamplingParams, SpecDecoder, linears, tiny_pair
-from batchspec.linears import FORMS, TUNE_MAX, FormTable, TunedLinear, tune_linears
+from batchspec.linears import FORMS, LARGE, TUNE_MAX, FormTable, TunedLinear, project, tune_linears
+
+ONEDNN = torch.backends.mkldnn.is_available()
+needs_onednn = pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN")
+#: float64 where the formulation takes it (oneDNN: float32 and bfloat16 only).
+DTYPE = {"plain": torch.float64, "transposed": torch.float64, "onednn": torch.float32}
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def forms_here():
+    return [f for f in FORMS if f != "onednn" or ONEDNN]
+
+
+def forced(form: str) -> dict:
+    return {m: form for m in [*range(1, TUNE_MAX + 1), LARGE]}
 
 
 @given(
-    rows=st.integers(1, TUNE_MAX + 8),
+    rows=st.integers(1, TUNE_MAX + 40),
     lead=st.sampled_from([(), (1,), (2,), (3, 1)]),
     bias=st.booleans(),
-    form=st.sampled_from(sorted(FORMS)),
+    form=st.sampled_from(forms_here()),
     seed=st.integers(0, 1000),
 )
 def test_tuned_linear_equals_linear(rows, lead, bias, form, seed):
     torch.manual_seed(seed)
-    layer = torch.nn.Linear(24, 40, bias=bias).double()
+    dtype = DTYPE[form]
+    layer = torch.nn.Linear(24, 40, bias=bias).to(dtype)
     table = FormTable()
-    table.choice = {m: form for m in range(1, TUNE_MAX + 1)}
+    table.choice = forced(form)
     tuned = TunedLinear(layer, table)
-    x = torch.randn(*lead, rows, 24, dtype=torch.float64)
-    got = tuned(x)
-    assert got.shape == (*lead, rows, 40)
-    torch.testing.assert_close(got, layer(x), rtol=1e-12, atol=1e-12)
+    x = torch.randn(*lead, rows, 24, dtype=dtype)
+    with torch.no_grad():
+        got = tuned(x)
+        assert got.shape == (*lead, rows, 40)
+        torch.testing.assert_close(got, layer(x), rtol=TOL[dtype], atol=TOL[dtype])
 
 
 def test_table_measures_each_row_count_once(monkeypatch):
@@ -40,10 +56,51 @@ def test_table_measures_each_row_count_once(monkeypatch):
     calls = []
     fastest = FormTable._fastest
     monkeypatch.setattr(FormTable, "_fastest", lambda self, rows: calls.append(rows) or fastest(self, rows))
-    for rows in (1, 3, 1, 3, 2, TUNE_MAX + 1):
-        tuned(torch.randn(rows, 16))
-    assert calls == [1, 3, 2]  # above TUNE_MAX: F.linear, unmeasured
-    assert set(table.choice.values()) <= set(FORMS)
+    with torch.no_grad():
+        for rows in (1, 3, 1, 3, 2, TUNE_MAX + 1, TUNE_MAX + 9, 1000):
+            tuned(torch.randn(rows, 16))
+    assert calls == [1, 3, 2, LARGE]  # above TUNE_MAX: one choice, measured at LARGE rows
+    assert set(table.choice.values()) <= set(FORMS) and table.choice[LARGE] != "transposed"
+
+
+def test_forms_that_fail_are_not_chosen():
+    """oneDNN takes no float64: the table measures the others."""
+    table = FormTable()
+    tuned = TunedLinear(torch.nn.Linear(16, 32).double(), table)
+    with torch.no_grad():
+        tuned(torch.randn(5, 16, dtype=torch.float64))
+    assert table.choice[5] in ("plain", "transposed") and not table.packed
+
+
+@needs_onednn
+def test_packed_copy_follows_the_weight():
+    """A weight changed in place (or given new data) is packed again: no stale product."""
+    layer = torch.nn.Linear(16, 32)
+    table = FormTable()
+    table.choice = forced("onednn")
+    tuned = TunedLinear(layer, table)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        tuned(x)
+        layer.weight.mul_(2.0)
+        torch.testing.assert_close(tuned(x), layer(x))
+        layer.weight.data = torch.randn(32, 16)
+        torch.testing.assert_close(tuned(x), layer(x))
+
+
+@pytest.mark.parametrize("form", forms_here())
+def test_products_autograd_records_take_f_linear(form):
+    """Training through a tuned layer gets nn.Linear's gradients, whatever the table picked."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 6)
+    table = FormTable()
+    table.choice = forced(form)
+    x = torch.randn(3, 8)
+    project(x, layer.weight, layer.bias, table).square().sum().backward()
+    grad = layer.weight.grad.clone()
+    layer.weight.grad = None
+    layer(x).square().sum().backward()
+    torch.testing.assert_close(grad, layer.weight.grad)
 
 
 def test_tune_swaps_every_linear_and_keeps_ties():
@@ -58,16 +115,19 @@ def test_tune_swaps_every_linear_and_keeps_ties():
     assert tune_linears(target) is None  # nothing left to swap
 
 
-@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("form", forms_here())
 @pytest.mark.parametrize("method", ["ar", "spec1", "eqspec", "exspec", "ragged"])
 def test_decoding_with_each_form_equals_reference(form, method, monkeypatch):
-    """Every forward's linears in one formulation (whatever the measurement would pick)."""
-    pair = tiny_pair(dtype=torch.float64)
+    """Every forward's linears in one formulation (whatever the measurement would pick); oneDNN's
+    in float32 (it takes no float64), against a reference in that formulation too."""
+    dtype = DTYPE[form]
+    pair = tiny_pair(dtype=dtype)
     monkeypatch.setattr(linears.FormTable, "_fastest", lambda self, rows: form)
     prompts = random_prompts(4, 6, 1, 40)
     dec = SpecDecoder(pair, method=method, k=3, batch_size=3, check_invariants=True)
     got = [o.token_ids for o in dec.generate(prompts, SamplingParams(max_new_tokens=16))]
     tables = {id(m.table): m.table for m in pair.target.modules() if isinstance(m, TunedLinear)}
     assert all(set(t.choice.values()) == {form} for t in tables.values())
-    monkeypatch.undo()
-    assert got == reference_tokens(tiny_pair(dtype=torch.float64), prompts, 16)
+    if form != "onednn":
+        monkeypatch.undo()
+    assert got == reference_tokens(tiny_pair(dtype=dtype), prompts, 16)

@@ -1,17 +1,22 @@
-"""A model's linear layers in the faster of two equal formulations per row count, chosen by timing.
+"""A model's linear layers in the fastest of three equal formulations per row count, chosen by timing.
 
 A decode or verify forward multiplies a few rows (M = B x q) by each weight. On CPUs the BLAS
 kernel behind `F.linear(x, W)` (x W^T) depends on M and is poor at small M: on the 2-core machine
-of docs/benchmarks.md, SmolLM2-135M's 211 float32 weights take 34 ms at M = 1, 50 ms at M = 2 and
-45 ms at M = 4, while the same products computed as `(W @ x^T)^T` take 15-24 ms at M = 2 .. 4
-(M = 1 is padded to two rows: as a matrix-vector product it takes the slow path again).
+of docs/benchmarks.md, SmolLM2-135M's 211 float32 weights take 46 ms at M = 1, 83 ms at M = 2 and
+79 ms at M = 5. The same products computed as `(W @ x^T)^T` take 16-31 ms at M = 2 .. 5 (M = 1 is
+padded to two rows: as a matrix-vector product it takes the slow path again), and oneDNN's matmul
+over a packed (blocked) copy of each weight takes 25 ms at M = 1 .. 8, 41 ms at M = 20 and 66 ms
+at M = 40 (F.linear: 93 and 101 ms); 10-20% less than F.linear at M = 64 .. 512 too.
 
 `tune_linears(model)` swaps every `nn.Linear` (with or without bias) of a CPU model for a
 `TunedLinear` over the same Parameters (tied embeddings stay tied). The model's layers share one
 `FormTable`: the first time a row count M <= TUNE_MAX is seen, it times each formulation over all
 of the model's weights in turn (as a forward streams them from memory, not from a warm cache) and
-keeps the fastest; larger M use `F.linear`. Both formulations compute the same dot products (up to
-the rounding order of two BLAS kernels).
+keeps the fastest; all larger M share one choice, measured at LARGE rows. The formulations compute
+the same dot products (up to the rounding order of their kernels). oneDNN takes float32 and
+bfloat16 only, and costs a packed copy of every weight it multiplies (made on first use, remade if
+the weight changes in place); where it fails (another dtype, a build without it) it is not chosen.
+Products that autograd must differentiate always take F.linear.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-#: Row counts above this use F.linear unmeasured (the kernels converge by M ~ 40 here).
+#: Row counts measured one by one; above it, one choice for all, measured at LARGE rows.
 TUNE_MAX = 32
+LARGE = 64
 #: Timed sweeps of each formulation when a row count is first seen (the fastest counts).
 TUNE_RUNS = 2
 
@@ -41,22 +47,51 @@ def transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return (out if bias is None else out + bias).contiguous()
 
 
-FORMS = {"plain": plain, "transposed": transposed}
+#: The formulations by name; "onednn" is a FormTable method (it keeps the packed weights).
+FORMS = ("plain", "transposed", "onednn")
+_FUNCTIONS = {"plain": plain, "transposed": transposed}
+#: Above TUNE_MAX rows: "transposed" is fast only at multiples of 8 rows there.
+LARGE_FORMS = ("plain", "onednn")
+
+
+def bucket(rows: int) -> int:
+    """The row count whose measured choice serves `rows`."""
+    return rows if rows <= TUNE_MAX else LARGE
 
 
 class FormTable:
     """Row count M -> the fastest formulation's name, measured over `layers` (a model's
-    TunedLinears) the first time M is asked for."""
+    TunedLinears) the first time M's bucket is asked for."""
 
     def __init__(self):
         self.layers: list[TunedLinear] = []
         self.choice: dict[int, str] = {}
+        self.packed: dict[int, tuple] = {}  # id(weight) -> (weight, (version, address), packed copy)
 
     def form(self, rows: int):
-        name = self.choice.get(rows)
+        key = bucket(rows)
+        name = self.choice.get(key)
         if name is None:
-            name = self.choice[rows] = self._fastest(rows)
-        return FORMS[name]
+            name = self.choice[key] = self._fastest(key)
+            if "onednn" not in self.choice.values():
+                self.packed.clear()  # the copies its measurement made
+        return self.function(name)
+
+    def function(self, name: str):
+        """The formulation `name` as a function (x [M, I], weight [O, I], bias) -> [M, O]."""
+        return self.onednn if name == "onednn" else _FUNCTIONS[name]
+
+    def onednn(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, I], weight [O, I] -> [M, O] by oneDNN's matmul over weight's packed copy."""
+        return torch.ops.mkldnn._linear_pointwise(x, self._pack(weight), bias, "none", [], "")
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight's packed copy, remade when the weight was changed in place or given new data."""
+        entry, state = self.packed.get(id(weight)), (weight._version, weight.data_ptr())
+        if entry is None or entry[0] is not weight or entry[1] != state:
+            copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            entry = self.packed[id(weight)] = (weight, state, copy)
+        return entry[2]
 
     @torch.no_grad()
     def _fastest(self, rows: int) -> str:
@@ -69,15 +104,24 @@ class FormTable:
                 inputs[key] = torch.randn(rows, layer.in_features, dtype=w.dtype, device=w.device)
             calls.append((inputs[key], w, layer.bias))
         seconds = {}
-        for name, form in FORMS.items():
-            runs = []
-            for _ in range(TUNE_RUNS + 1):  # the first sweep warms up
-                start = time.perf_counter()
-                for x, w, b in calls:
-                    form(x, w, b)
-                runs.append(time.perf_counter() - start)
-            seconds[name] = min(runs[1:])
+        for name in FORMS if rows <= TUNE_MAX else LARGE_FORMS:
+            try:
+                seconds[name] = _sweep_seconds(self.function(name), calls)
+            except (RuntimeError, NotImplementedError):  # e.g. oneDNN without this dtype
+                continue
         return min(seconds, key=seconds.get)
+
+
+def _sweep_seconds(form, calls) -> float:
+    """The fastest of TUNE_RUNS timed sweeps of form over calls [(x, weight, bias)], after one
+    that warms up (and packs weights)."""
+    runs = []
+    for _ in range(TUNE_RUNS + 1):
+        start = time.perf_counter()
+        for x, w, b in calls:
+            form(x, w, b)
+        runs.append(time.perf_counter() - start)
+    return min(runs[1:])
 
 
 class TunedLinear(torch.nn.Module):
@@ -98,9 +142,9 @@ def project(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, table: FormTable | None = None
 ) -> torch.Tensor:
     """x [.., I] @ weight [O, I]^T (+ bias) -> [.., O], in `table`'s form for x's row count
-    (F.linear without a table or above TUNE_MAX rows)."""
+    (F.linear without a table, and where autograd records the product)."""
     rows = x.numel() // weight.shape[1]
-    if table is None or rows == 0 or rows > TUNE_MAX:
+    if table is None or rows == 0 or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
         return F.linear(x, weight, bias)
     out = table.form(rows)(x.reshape(rows, weight.shape[1]), weight, bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])
