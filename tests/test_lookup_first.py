@@ -113,6 +113,7 @@ def test_both_sources_propose_and_get_accepted(one_layer, proposer, monkeypatch)
         seen["model"] += int((~lookup_rows).sum())
         seen["lookup_only_steps"] += calls["n"] == 0
         assert calls["n"] == (0 if bool(lookup_rows.all()) else 1)
+        assert out.forwards == (0 if calls["n"] == 0 else None)  # what auto charges the model for
         return out
 
     monkeypatch.setattr(LookupFirst, "propose", counting)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -254,3 +255,17 @@ def test_each_width_learns_what_the_shared_correction_leaves():
     for q in (1, 5):
         assert model(8, q, 300) == pytest.approx(truth[q](8), rel=0.05)
     assert model.describe()["5"]["scale"] > model.describe()["1"]["scale"]
+
+
+def test_proposer_cost_learns_per_model_forward(tiny64):
+    """A model proposer's cost is learned per forward: a proposal that says it took none (a
+    combined proposer's lookup-only step) teaches nothing; one that took one per draft does."""
+    policy = Adaptive(tiny64.target, SimpleNamespace(model=tiny64.draft, bins=2), capacity=4)
+    learned = []
+    policy.prop_cost.observe = lambda rows, q, span, seconds: learned.append(seconds)
+    drafts = torch.zeros(2, 3, dtype=torch.long)
+    signal = torch.zeros(2, 3, dtype=torch.long)
+    policy.observe([], Proposal(drafts, None, signal, forwards=0), 0, [0, 0], 1e-5, 0.01, 20)
+    assert learned == []
+    policy.observe([], Proposal(drafts, None, signal), 0, [0, 0], 0.03, 0.01, 20)
+    assert learned == [pytest.approx(0.01)]

@@ -37,6 +37,7 @@ class Proposal:
     drafts: torch.Tensor  # [B, k] full-vocabulary ids
     num_proposed: torch.Tensor | None = None  # [B]; None means k for every row
     signal: torch.Tensor | None = None  # [B, k] long: each draft's confidence bin (0 .. proposer.bins - 1)
+    forwards: int | None = None  # proposer calls it took; None: one per draft (a model), one (a lookup)
 
 
 #: Called by a proposer that drafts step by step, after draft i (0-based) with the bins so far
@@ -174,7 +175,7 @@ class LookupFirst:
         found = self.lookup.propose(batch, k, params, noise)
         take = (found.num_proposed > 0) & (found.signal[:, 0] >= self.min_match)  # [B] rows that take lookup's
         if bool(take.all()):
-            return Proposal(found.drafts, found.num_proposed, found.signal + self.inner.bins)
+            return Proposal(found.drafts, found.num_proposed, found.signal + self.inner.bins, forwards=0)
         mine = torch.where(take[:, None], found.signal + self.inner.bins, 0)  # [B, k]
 
         def merged_stop(i: int, bins: torch.Tensor) -> bool:  # the policy sees each row's own source

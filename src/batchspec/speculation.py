@@ -196,7 +196,9 @@ class Adaptive:
             self.calibration = [
                 CALIBRATION_DECAY * c + x for c, x in zip(self.calibration, (self.predicted, sum(num_accepted)))
             ]
-        forwards = self._forwards(proposal.drafts.shape[1])
+        forwards = proposal.forwards
+        if forwards is None:
+            forwards = self._forwards(proposal.drafts.shape[1])
         if forwards:
             self.prop_cost.observe(rows, 1, span, prop_s / forwards)
         if width == 0:
