@@ -128,7 +128,8 @@ def test_reduced_head_samples_its_full_vocabulary_distribution(pair):
     torch.testing.assert_close(confidence, full.gather(1, tokens[:, None])[:, 0])
 
 
-def test_default_pair_proposes_with_ngram_lookup_and_keeps_the_draft(pair):
-    # The measured choice (README, "The default pair"): n-gram lookup by default, the draft on request.
-    assert SpecDecoder(pair, method="eqspec").proposer_name == "ngram"
+def test_default_pair_proposes_with_the_head_and_keeps_the_others(pair):
+    # The measured choice (docs/benchmarks.md, "Current numbers"): the head by default, the others on request.
+    assert SpecDecoder(pair, method="eqspec").proposer_name == "eagle"
+    assert SpecDecoder(pair, method="eqspec", proposer="ngram").proposer_name == "ngram"
     assert isinstance(SpecDecoder(pair, method="eqspec", proposer="draft").proposer.model, SmolDraft)

@@ -2,11 +2,12 @@
 
 A decode or verify forward multiplies a few rows (M = B x q) by each weight. On CPUs the BLAS
 kernel behind `F.linear(x, W)` (x W^T) depends on M and is poor at small M: on the 2-core machine
-of docs/benchmarks.md, SmolLM2-135M's 211 float32 weights take 46 ms at M = 1, 83 ms at M = 2 and
-79 ms at M = 5. The same products computed as `(W @ x^T)^T` take 16-31 ms at M = 2 .. 5 (M = 1 is
-padded to two rows: as a matrix-vector product it takes the slow path again), and oneDNN's matmul
-over a packed (blocked) copy of each weight takes 25 ms at M = 1 .. 8, 41 ms at M = 20 and 66 ms
-at M = 40 (F.linear: 93 and 101 ms); 10-20% less than F.linear at M = 64 .. 512 too.
+of docs/benchmarks.md, one sweep over SmolLM2-135M's 211 float32 weights takes 44 ms at M = 1,
+76 ms at M = 2 and 56 ms at M = 5. The same products computed as `(W @ x^T)^T` take 27-29 ms at
+M = 1 .. 3 (M = 1 is padded to two rows: as a matrix-vector product it takes the slow path again),
+and oneDNN's matmul over a packed (blocked) copy of each weight 23-28 ms at M = 3 .. 8, 41 ms at
+M = 20 and 69 ms at M = 40 (F.linear: 72 and 106 ms); 19-30% less than F.linear at M = 64 .. 512
+(`python scripts/linear_forms.py --sweep ...`).
 
 `tune_linears(model)` swaps every `nn.Linear` (with or without bias) of a CPU model for a
 `TunedLinear` over the same Parameters (tied embeddings stay tied). The model's layers share one
@@ -29,8 +30,8 @@ import torch.nn.functional as F
 #: Row counts measured one by one; above it, one choice for all, measured at LARGE rows.
 TUNE_MAX = 32
 LARGE = 64
-#: Timed sweeps of each formulation when a row count is first seen (the fastest counts).
-TUNE_RUNS = 2
+#: Timed rounds (a sweep of each formulation) when a row count is first seen (the fastest counts).
+TUNE_RUNS = 3
 
 
 def plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -93,8 +94,14 @@ class FormTable:
             entry = self.packed[id(weight)] = (weight, state, copy)
         return entry[2]
 
-    @torch.no_grad()
     def _fastest(self, rows: int) -> str:
+        seconds = self.time_forms(rows, FORMS if rows <= TUNE_MAX else LARGE_FORMS)
+        return min(seconds, key=seconds.get)
+
+    @torch.no_grad()
+    def time_forms(self, rows: int, names=FORMS) -> dict[str, float]:
+        """Seconds of one sweep over every layer's weight with `rows` random input rows, per
+        formulation that runs here (the fastest of TUNE_RUNS rounds after a warm-up one)."""
         inputs = {}  # one random input per (width, dtype, device), shared by the layers that take it
         calls = []  # (x, weight, bias) per layer
         for layer in self.layers:
@@ -103,25 +110,26 @@ class FormTable:
             if key not in inputs:
                 inputs[key] = torch.randn(rows, layer.in_features, dtype=w.dtype, device=w.device)
             calls.append((inputs[key], w, layer.bias))
-        seconds = {}
-        for name in FORMS if rows <= TUNE_MAX else LARGE_FORMS:
+        forms = {}
+        for name in names:  # the warm-up sweep (it packs oneDNN's copies); a form that fails is left out
             try:
-                seconds[name] = _sweep_seconds(self.function(name), calls)
+                _sweep(self.function(name), calls)
+                forms[name] = self.function(name)
             except (RuntimeError, NotImplementedError):  # e.g. oneDNN without this dtype
                 continue
-        return min(seconds, key=seconds.get)
+        seconds = {name: float("inf") for name in forms}
+        for _ in range(TUNE_RUNS):  # the forms alternate, so a slow spell of the machine hits them alike
+            for name, form in forms.items():
+                seconds[name] = min(seconds[name], _sweep(form, calls))
+        return seconds
 
 
-def _sweep_seconds(form, calls) -> float:
-    """The fastest of TUNE_RUNS timed sweeps of form over calls [(x, weight, bias)], after one
-    that warms up (and packs weights)."""
-    runs = []
-    for _ in range(TUNE_RUNS + 1):
-        start = time.perf_counter()
-        for x, w, b in calls:
-            form(x, w, b)
-        runs.append(time.perf_counter() - start)
-    return min(runs[1:])
+def _sweep(form, calls) -> float:
+    """Seconds of one sweep of form over calls [(x, weight, bias)]."""
+    start = time.perf_counter()
+    for x, w, b in calls:
+        form(x, w, b)
+    return time.perf_counter() - start
 
 
 class TunedLinear(torch.nn.Module):

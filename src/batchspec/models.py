@@ -209,9 +209,9 @@ def default_pair(dtype: torch.dtype, tp_size: int = 1) -> ModelPair:
     pair.draft_vocab_ids = pair.draft.vocab_ids
     if tp_size == 1 and os.path.exists(EAGLE_FILE):
         pair.head = load_head(target, dtype)
-    # Measured on Spec-Bench (README, "The default pair"): prompt lookup beats the shipped draft on
-    # CPU, so it is the default; the draft stays one flag away (--proposer draft).
-    pair.default_proposer = "ngram"
+    # Measured (docs/benchmarks.md, "Current numbers"): under the default -k auto, float32, the head
+    # beats prompt lookup against `ar` (runs M, Q against L, P); a sharded target has no head.
+    pair.default_proposer = "eagle" if pair.head is not None else "ngram"
     return pair
 
 
