@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from batchspec import SamplingParams, SpecDecoder
+from batchspec import SamplingParams, SpecDecoder, load_pair
 from batchspec.draft import DRAFT_FILE, SmolDraft
 
 EOS_ID = 2  # <|im_end|>
@@ -129,7 +129,9 @@ def test_reduced_head_samples_its_full_vocabulary_distribution(pair):
 
 
 def test_default_pair_proposes_with_the_head_and_keeps_the_others(pair):
-    # The measured choice (docs/benchmarks.md, "Current numbers"): the head by default, the others on request.
+    # The measured choice (docs/benchmarks.md, "Current numbers"): the head by default in float32,
+    # prompt lookup in bfloat16, the others on request.
     assert SpecDecoder(pair, method="eqspec").proposer_name == "eagle"
     assert SpecDecoder(pair, method="eqspec", proposer="ngram").proposer_name == "ngram"
+    assert load_pair("default", dtype="bfloat16").default_proposer == "ngram"
     assert isinstance(SpecDecoder(pair, method="eqspec", proposer="draft").proposer.model, SmolDraft)

@@ -209,9 +209,11 @@ def default_pair(dtype: torch.dtype, tp_size: int = 1) -> ModelPair:
     pair.draft_vocab_ids = pair.draft.vocab_ids
     if tp_size == 1 and os.path.exists(EAGLE_FILE):
         pair.head = load_head(target, dtype)
-    # Measured (docs/benchmarks.md, "Current numbers"): under the default -k auto, float32, the head
-    # beats prompt lookup against `ar` (runs M, Q against L, P); a sharded target has no head.
-    pair.default_proposer = "eagle" if pair.head is not None else "ngram"
+    # Measured (docs/benchmarks.md, "Current numbers"), ratios to `ar` under the default -k auto: in
+    # float32 the head beats prompt lookup (runs M, Q against L, P), in bfloat16 lookup beats the
+    # head (run N against R). A sharded target has no head.
+    head_first = pair.head is not None and dtype == torch.float32
+    pair.default_proposer = "eagle" if head_first else "ngram"
     return pair
 
 
