@@ -113,8 +113,8 @@ class FormTable:
         forms = {}
         for name in names:  # the warm-up sweep (it packs oneDNN's copies); a form that fails is left out
             try:
-                _sweep(self.function(name), calls)
-                forms[name] = self.function(name)
+                _sweep(form := self.function(name), calls)
+                forms[name] = form
             except (RuntimeError, NotImplementedError):  # e.g. oneDNN without this dtype
                 continue
         seconds = {name: float("inf") for name in forms}

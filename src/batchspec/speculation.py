@@ -196,9 +196,7 @@ class Adaptive:
             self.calibration = [
                 CALIBRATION_DECAY * c + x for c, x in zip(self.calibration, (self.predicted, sum(num_accepted)))
             ]
-        forwards = proposal.forwards
-        if forwards is None:
-            forwards = self._forwards(proposal.drafts.shape[1])
+        forwards = self._forwards(proposal)
         if forwards:
             self.prop_cost.observe(rows, 1, span, prop_s / forwards)
         if width == 0:
@@ -255,9 +253,12 @@ class Adaptive:
         pos = torch.arange(bins.shape[1])[None, :].expand_as(bins)
         return (self.table[bins, pos] * r[:, None]).clamp(max=0.98)
 
-    def _forwards(self, drafts: int) -> int:
-        """Proposer calls that `drafts` drafts take: one per draft for a model, one for a lookup."""
-        return drafts if self.proposer.model is not None else 1
+    def _forwards(self, proposal) -> int:
+        """Proposer calls a proposal took: its own count where it gives one, else one per draft
+        column for a model and one for a lookup."""
+        if proposal.forwards is not None:
+            return proposal.forwards
+        return proposal.drafts.shape[1] if self.proposer.model is not None else 1
 
     def _rates(
         self, p: torch.Tensor, prop_s: float, rows: int, span: int, sunk: bool = True, per_draft: float = 0.0
