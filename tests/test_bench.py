@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from batchspec.cli import main
 
 
@@ -70,6 +72,39 @@ def test_bench_cli_reports_every_field(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "vs spec1" in capsys.readouterr().out
     assert report["costs"]["draft_ms"], "the proposer's model is timed (ar, run first, has none)"
+
+
+def test_bench_pairs_runs_of_a_repeat_and_alternates_their_order(tiny32, monkeypatch, capsys):
+    """Repeats run the configurations in reverse order every other time; `auto` is compared with
+    the best of ar and its fixed k in each repeat, the median reported and printed."""
+    from batchspec import bench
+    from batchspec.config import SamplingParams
+
+    order, run_one = [], bench.run_one
+    monkeypatch.setattr(bench, "run_one", lambda *a, **kw: order.append(a[2:5]) or run_one(*a, **kw))
+    report = bench.bench(
+        tiny32,
+        ["a prompt", "another", "x"],
+        ["ar", "ragged"],
+        [2],
+        SamplingParams(max_new_tokens=6),
+        k=[2, "auto"],
+        repeats=3,
+        progress=False,
+    )
+    timed = order[3:]  # after the warm-up
+    configs = [("ar", 2, None), ("ragged", 2, 2), ("ragged", 2, "auto")]
+    assert timed == configs + configs[::-1] + configs
+    rate = {(r["method"], r["k"]): r["tokens_per_s_repeats"] for r in report["runs"]}
+    auto = next(r for r in report["runs"] if r["k"] == "auto")
+    expected = [a / max(b, c) for a, b, c in zip(rate["ragged", "auto"], rate["ar", None], rate["ragged", 2])]
+    assert auto["auto_vs_best_repeats"] == pytest.approx(expected)
+    assert auto["auto_vs_best"] == pytest.approx(sorted(expected)[1])
+    fixed = next(r for r in report["runs"] if r["k"] == 2)
+    ar_rates = rate["ar", None]
+    assert fixed["vs_ar_paired"] == pytest.approx(sorted(x / y for x, y in zip(rate["ragged", 2], ar_rates))[1])
+    assert "auto_vs_best" not in fixed
+    assert "ragged -k auto at B = 2" in bench.table(report)
 
 
 def test_bench_times_the_draft_head(tmp_path):

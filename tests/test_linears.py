@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchspec import SamplingParams, SpecDecoder, linears, tiny_pair
-from batchspec.linears import FORMS, LARGE, TUNE_MAX, FormTable, TunedLinear, project, tune_linears
+from batchspec.linears import FORMS, LARGE, TUNE_MAX, FormTable, TunedLinear, bucket, prepare, project, tune_linears
 
 ONEDNN = torch.backends.mkldnn.is_available()
 needs_onednn = pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN")
@@ -63,13 +63,31 @@ def test_table_measures_each_row_count_once(monkeypatch):
     assert set(table.choice.values()) <= set(FORMS) and table.choice[LARGE] != "transposed"
 
 
+def test_prepare_measures_every_reachable_bucket_once(monkeypatch):
+    """Row counts between two measured ones take the next one's choice; `prepare` measures up front
+    every bucket a decoder can reach, so no step pays for a measurement."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+    table = tune_linears(model)
+    calls = []
+    fastest = FormTable._fastest
+    monkeypatch.setattr(FormTable, "_fastest", lambda self, rows: calls.append(rows) or fastest(self, rows))
+    prepare(model, 9)
+    assert calls == [1, 2, 3, 4, 6, 8, 12]
+    assert [bucket(r) for r in (5, 9, 11, 13, 17, 25, 32, 33)] == [6, 12, 12, 16, 24, 32, 32, LARGE]
+    with torch.no_grad():
+        model(torch.randn(9, 16))
+    prepare(model, 40)
+    assert calls == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, LARGE]
+    assert set(table.choice) == set(calls)
+
+
 def test_forms_that_fail_are_not_chosen():
     """oneDNN takes no float64: the table measures the others."""
     table = FormTable()
     tuned = TunedLinear(torch.nn.Linear(16, 32).double(), table)
     with torch.no_grad():
         tuned(torch.randn(5, 16, dtype=torch.float64))
-    assert table.choice[5] in ("plain", "transposed") and not table.packed
+    assert table.choice[bucket(5)] in ("plain", "transposed") and not table.packed
 
 
 @needs_onednn

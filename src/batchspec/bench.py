@@ -1,11 +1,15 @@
 """`batchspec bench`: every method side by side on the same prompts, models and process.
 
-Methods are interleaved within each repeat, so drift of the machine hits all of them alike; a
-short warm-up of every method runs first. Per (method, batch size) we report throughput (prefill
-included, and decode alone), tokens per step, the accepted histogram, time shares per stage,
-peak memory, ratios vs `ar` at the same batch size and vs `spec1`, and the efficiency against
-the speed-of-light model of costs.py. `spec1` and `reference` run one sequence at a time, so they
-are measured once per repeat and listed at batch size 1.
+Methods are interleaved within each repeat, in reverse order every other repeat, so drift of the
+machine hits all of them alike; a short warm-up of every method runs first. Per (method, batch
+size) we report throughput (prefill included, and decode alone), tokens per step, the accepted
+histogram, time shares per stage, peak memory, ratios vs `ar` at the same batch size and vs
+`spec1`, and the efficiency against the speed-of-light model of costs.py. Ratios are also paired:
+each repeat's run against the other runs of the same repeat (`vs_ar_paired`; for `-k auto`,
+`auto_vs_best`: against the best of `ar` and the method's fixed k), the median over repeats, as
+runs minutes apart on a shared machine differ more than runs side by side. `spec1` and
+`reference` run one sequence at a time, so they are measured once per repeat and listed at batch
+size 1.
 """
 
 from __future__ import annotations
@@ -111,8 +115,8 @@ def bench(
     samples: dict = {c: [] for c in runs}
     total = len(runs) * repeats
     with tqdm(total=total, desc="bench", disable=not progress, leave=False) as bar:
-        for _ in range(repeats):
-            for c in runs:
+        for rep in range(repeats):
+            for c in runs if rep % 2 == 0 else runs[::-1]:
                 bar.set_postfix_str(f"{c[0]} b={c[1]} k={c[2]}")
                 samples[c].append(run_one(pair, prompts, *c, params, proposer, options, decoders))
                 bar.update(1)
@@ -124,6 +128,7 @@ def bench(
     costs = cost_table(pair.target, drafter, sorted({b for _, b, _ in runs}), widths, context)
     report_runs = [_summarise(m, b, kk, samples[(m, b, kk)], costs, has_draft) for m, b, kk in runs]
     _ratios(report_runs)
+    _paired(report_runs, samples)
     return {
         "runs": report_runs,
         "costs": _json_costs(costs),
@@ -189,6 +194,31 @@ def _ratios(runs: list[dict]) -> None:
         r["vs_spec1"] = r["tokens_per_s"] / base if base else None
 
 
+def _paired(runs: list[dict], samples: dict) -> None:
+    """Per-repeat ratios (runs of one repeat ran side by side), their median: `vs_ar_paired`, and
+    for a k = "auto" run `auto_vs_best` (and each repeat's, `auto_vs_best_repeats`), against the
+    best of `ar` and the same method's fixed ks at the same batch size."""
+    rates = {c: [s["tokens_per_s"] for s in v] for c, v in samples.items()}
+    for r in runs:
+        mine, batch = rates[(r["method"], r["batch_size"], r["k"])], r["batch_size"]
+        ar = rates.get((methods.PLAIN_BASELINE, batch, None))
+        r["vs_ar_paired"] = statistics.median(_ratios_per_repeat(mine, [ar])) if ar else None
+        if r["k"] == "auto":
+            rivals = [
+                v
+                for (m, b, k), v in rates.items()
+                if b == batch and k != "auto" and m in (methods.PLAIN_BASELINE, r["method"])
+            ]
+            each = _ratios_per_repeat(mine, rivals) if rivals else None
+            r["auto_vs_best"] = statistics.median(each) if each else None
+            r["auto_vs_best_repeats"] = each
+
+
+def _ratios_per_repeat(mine: list[float], rivals: list[list[float]]) -> list[float]:
+    """mine[i] / the best rival's rate in repeat i."""
+    return [x / max(v[i] for v in rivals) for i, x in enumerate(mine)]
+
+
 def _json_costs(costs: dict) -> dict:
     ms = lambda d: {str(b): {str(q): 1000 * s for q, s in row.items()} for b, row in d.items()}
     return {"context_tokens": costs["context"], "target_ms": ms(costs["target"]), "draft_ms": ms(costs["draft"])}
@@ -231,6 +261,13 @@ def table(report: dict) -> str:
                 for s, w in (("draft", 7), ("verify", 7), ("realign", 8), ("schedule", 7), ("prefill", 8), ("other", 7))
             )
         )
+    for r in report["runs"]:
+        if r.get("auto_vs_best") is not None:
+            each = ", ".join(f"{x:.2f}" for x in r["auto_vs_best_repeats"])
+            lines.append(
+                f"{r['method']} -k auto at B = {r['batch_size']}: {r['auto_vs_best']:.2f} x the best of ar and its "
+                f"fixed k (median over repeats of side-by-side ratios: {each})"
+            )
     return "\n".join(lines)
 
 

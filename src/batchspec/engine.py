@@ -11,7 +11,7 @@ from functools import partial
 import torch
 from tqdm.auto import tqdm
 
-from . import methods, tp
+from . import linears, methods, tp
 from .config import LOOKUP_FIRST, EngineConfig, SamplingParams, model_proposer
 from .detok import StopStrings
 from .errors import BatchspecError
@@ -189,7 +189,12 @@ class SpecDecoder:
 
 
 def make_speculation(config: EngineConfig, target, proposer):
-    """`Fixed(k)`, or `Adaptive` for k = "auto" (probes the costs of a batch of `batch_size` rows)."""
+    """`Fixed(k)`, or `Adaptive` for k = "auto" (probes the costs of a batch of `batch_size` rows).
+    First the models' linear layers measure every row count a step can feed them (linears.py)."""
+    rows = config.batch_size * (config.k_max + 1)
+    for model in (target, getattr(proposer, "model", None)):
+        if model is not None:
+            linears.prepare(model, rows)
     if config.k == "auto" and proposer is not None:
         return Adaptive(target, proposer, config.batch_size, config.k_max)
     return Fixed(config.k_max)

@@ -11,24 +11,31 @@ M = 20 and 69 ms at M = 40 (F.linear: 72 and 106 ms); 19-30% less than F.linear 
 
 `tune_linears(model)` swaps every `nn.Linear` (with or without bias) of a CPU model for a
 `TunedLinear` over the same Parameters (tied embeddings stay tied). The model's layers share one
-`FormTable`: the first time a row count M <= TUNE_MAX is seen, it times each formulation over all
-of the model's weights in turn (as a forward streams them from memory, not from a warm cache) and
-keeps the fastest; all larger M share one choice, measured at LARGE rows. The formulations compute
-the same dot products (up to the rounding order of their kernels). oneDNN takes float32 and
-bfloat16 only, and costs a packed copy of every weight it multiplies (made on first use, remade if
-the weight changes in place); where it fails (another dtype, a build without it) it is not chosen.
+`FormTable`: the first time a row count M's bucket is seen (each M up to 4, then 6, 8, 12, 16, 24,
+32; an M between takes the next bucket's choice), it times each formulation over all of the
+model's weights in turn (as a forward streams them from memory, not from a warm cache) and keeps
+the fastest; all M > TUNE_MAX share one choice, measured at LARGE rows. A decoder measures every
+bucket its batches can reach before it runs (`prepare`): a measurement takes a few tenths of a
+second, which a step that met a new row count would otherwise pay (and auto's cost model learn).
+The formulations compute the same dot products (up to the rounding order of their kernels).
+oneDNN takes float32 and bfloat16 only, and costs a packed copy of every weight it multiplies
+(made on first use, remade if the weight changes in place); where it fails (another dtype, a
+build without it) it is not chosen.
 Products that autograd must differentiate always take F.linear.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 
 import torch
 import torch.nn.functional as F
 
-#: Row counts measured one by one; above it, one choice for all, measured at LARGE rows.
-TUNE_MAX = 32
+#: Row counts measured; one between two takes the choice of the next. Above TUNE_MAX one choice for
+#: all, measured at LARGE rows.
+GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+TUNE_MAX = GRID[-1]
 LARGE = 64
 #: Timed rounds (a sweep of each formulation) when a row count is first seen (the fastest counts).
 TUNE_RUNS = 3
@@ -57,7 +64,7 @@ LARGE_FORMS = ("plain", "onednn")
 
 def bucket(rows: int) -> int:
     """The row count whose measured choice serves `rows`."""
-    return rows if rows <= TUNE_MAX else LARGE
+    return GRID[bisect.bisect_left(GRID, rows)] if rows <= TUNE_MAX else LARGE
 
 
 class FormTable:
@@ -77,6 +84,11 @@ class FormTable:
             if "onednn" not in self.choice.values():
                 self.packed.clear()  # the copies its measurement made
         return self.function(name)
+
+    def prepare(self, max_rows: int) -> None:
+        """Measure now every bucket of row counts 1 .. max_rows not measured yet."""
+        for key in sorted({bucket(rows) for rows in range(1, max_rows + 1)}):
+            self.form(key)
 
     def function(self, name: str):
         """The formulation `name` as a function (x [M, I], weight [O, I], bias) -> [M, O]."""
@@ -156,6 +168,14 @@ def project(
         return F.linear(x, weight, bias)
     out = table.form(rows)(x.reshape(rows, weight.shape[1]), weight, bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def prepare(model: torch.nn.Module, max_rows: int) -> None:
+    """Measure the formulations of `model`'s tuned layers for every row count up to max_rows (a
+    no-op for a model without them)."""
+    tables = {id(m.table): m.table for m in model.modules() if isinstance(m, TunedLinear)}
+    for table in tables.values():
+        table.prepare(max_rows)
 
 
 def tune_linears(model: torch.nn.Module) -> FormTable | None:

@@ -22,7 +22,9 @@ scaled by the realised / predicted ratio of the recent verify steps (the choice 
 whose estimates happen to be high, so uncorrected estimates run optimistic).
 
 Estimates only change where steps test them, so after EXPLORE_EVERY steps without a verified draft
-the next step that can propose verifies at least one (at most one 2-token verify per 32 steps).
+the next step that can propose verifies at least one (at most one 2-token verify per 32 steps),
+and after EXPLORE_EVERY steps that all verified, the next is plain (a plain step's cost, which the
+choice weighs every step, is then measured at the batch's shape now, not only probed at start).
 
 The k = 0 arm has no tax: before proposing, if no width q > 1 can beat a plain step (for a cheap
 proposer even if every row's drafts were of its best bin; for a draft model at the acceptance seen
@@ -59,7 +61,8 @@ PSEUDO = 2.0
 ROW_RATE = 0.3
 #: After this many steps in a row without a verified draft, the next step that can propose
 #: verifies at least one: estimates that turned pessimistic (acceptance, a width's cost) are only
-#: corrected by steps that test them. Costs at most one 2-token verify per this many steps.
+#: corrected by steps that test them. Costs at most one 2-token verify per this many steps. After
+#: as many steps that all verified, the next is plain, for the same reason.
 EXPLORE_EVERY = 32
 
 
@@ -127,11 +130,14 @@ class Adaptive:
         self.calibration = [1.0, 1.0]  # decayed sums: accepted drafts predicted, realised
         self.predicted = 0.0
         self.unverified = 0  # steps since the last one that verified a draft
+        self.unplain = 0  # steps since the last plain one
         self.ratio: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> r_b
 
     # --- before proposing -----------------------------------------------------------------
     def plan(self, batch) -> int:
         """Drafts to ask the proposer for: k_max, or 0 when no width can beat a plain step."""
+        if self.unplain >= EXPLORE_EVERY:
+            return 0  # explore: time a plain step
         rows, span = len(batch.seqs), attended_span(batch)
         r = self._ratios(batch.seqs)
         # A cheap proposer (lookup) is asked unless even its best bin could not pay; a model only
@@ -190,6 +196,7 @@ class Adaptive:
         rows = len(num_accepted)
         self.step_cost.observe(rows, width + 1, span, step_s)
         self.unverified = 0 if width > 0 else self.unverified + 1
+        self.unplain = 0 if width == 0 else self.unplain + 1
         if proposal is None:
             return
         if width > 0:  # predicted vs realised accepted drafts, over the recent verify steps
@@ -225,7 +232,7 @@ class Adaptive:
 
     def describe(self) -> dict:
         """What the policy measured and learned (JSON-ready): the fitted costs per width q in ms,
-        t_q = (fixed + per_row x B + per_row_per_1k_span x B S / 1000 + correction) x scale_q, and
+        t_q = (fixed + per_row x B + per_row_per_1k_span x B S / 1000) x load x scale_q, and
         acceptance by bin."""
         return {
             "step_cost": self.step_cost.describe(),
