@@ -4,9 +4,13 @@ the weights; decoding with each formulation forced equals `reference` for every 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
-from helpers import random_prompts, reference_tokens
+from helpers import ROOT, random_prompts, reference_tokens
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -149,3 +153,14 @@ def test_decoding_with_each_form_equals_reference(form, method, monkeypatch):
     if form != "onednn":
         monkeypatch.undo()
     assert got == reference_tokens(tiny_pair(dtype=dtype), prompts, 16)
+
+
+def test_importing_the_package_raises_onednns_primitive_cache_unless_set():
+    """oneDNN's cache of one primitive per shape must hold the decode steps' shapes beside
+    prefill's many: the package raises its capacity before oneDNN reads it, unless the user set it."""
+    code = "import os, batchspec; print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    env["PYTHONPATH"] = os.path.join(ROOT, "src")
+    run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True)  # noqa: E731
+    assert run(env).stdout.strip() == "8192"
+    assert run(env | {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}).stdout.strip() == "64"

@@ -1,5 +1,12 @@
 """batchspec: batched speculative decoding that emits exactly what the target alone would."""
 
+import os
+
+# oneDNN (linears.py) caches one primitive per matmul shape, 1,024 by default: prefill's many row
+# counts evicted the decode steps' shapes, whose primitives were then rebuilt every step (bfloat16,
+# B = 16: 23% of the throughput; docs/benchmarks.md). Read when oneDNN first builds one.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
+
 from .config import EngineConfig, SamplingParams
 from .engine import SpecDecoder
 from .errors import BatchspecError
