@@ -42,7 +42,7 @@ def main() -> None:
         else ["Why is the sky blue?", "Write a haiku about the sea.", "List three prime numbers.", "Hello!"]
     )
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    ar = SpecDecoder(pair, method="ar", batch_size=args.batch_size, progress=False)
+    ar = SpecDecoder(pair, method="ar", batch_size=args.batch_size)
     auto = SpecDecoder(pair, method="ragged", batch_size=args.batch_size, k="auto", proposer=args.proposer)
     steps = record(auto, args.batch_size)
     rounds = []

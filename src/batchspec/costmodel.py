@@ -110,7 +110,7 @@ class StepCost:
         self.scale: dict[int, float] = {}  # width q -> its timed / (fitted x load), averaged
 
     def __call__(self, rows: int, q: int, span: int) -> float:
-        return max(0.0, self._width(q)(rows, span)) * self.load * self.scale.get(q, 1.0)
+        return self._width(q)(rows, span) * self.load * self.scale.get(q, 1.0)  # fits are >= 0
 
     def observe(self, rows: int, q: int, span: int, seconds: float) -> None:
         width = self._width(q)
@@ -151,7 +151,7 @@ def time_forward(model, rows: int, q: int, span: int, repeats: int = 1, warmup: 
 def time_rows(model, lengths: list[int], q: int, repeats: int = 1, classes: bool = True, warmup: bool = True) -> float:
     """Median seconds of one forward of q tokens per row after each row's `lengths` cached slots,
     fed as the ragged layout feeds it (in size classes, or one slab if not `classes`; the slots'
-    contents are irrelevant to the time, so nothing is prefilled). A first, untimed run warms up."""
+    contents are irrelevant to the time, so nothing is prefilled), after an untimed run if `warmup`."""
     device, rows = next(model.parameters()).device, len(lengths)
     cache = kv.SlotCache(model.config, next(model.parameters()).dtype, device, rows, classes)
     positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(q, device=device)[None, :]
@@ -191,7 +191,7 @@ def probe(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768)) -> l
         mid = sum(spans) // 2
         shapes = sorted({(1, mid), (rows, spans[0]), (rows, spans[1])})
         points = [(b, q, s) for q in range(1, q_max + 1) for b, s in shapes]
-        time_forward(model, rows, q_max, spans[1])  # allocations, first-call paths
+        time_forward(model, rows, q_max, spans[1], warmup=False)  # allocations, first-call paths
         best = {p: float("inf") for p in points}
         for _ in range(PROBE_ROUNDS):
             for p in points:
