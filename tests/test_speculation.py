@@ -250,6 +250,23 @@ def test_choice_follows_the_acceptance_estimates(tiny64):
     assert policy.choose(Batch, unlikely, started=time.perf_counter()) == 0
 
 
+def test_never_verifies_a_column_no_row_drafted(tiny64):
+    """Wider verifies predicted cheaper than narrow ones (a noisy fit at B = 1 can say so): the
+    width still stops at the longest real proposal, and a step with none is plain."""
+    points = [(b, q, s) for b in (1, 8) for q in range(1, 8) for s in (100, 1000)]
+    cheaper_wide = StepCost([(b, q, s, 0.05 - 0.005 * q) for b, q, s in points])
+    policy = _adaptive(tiny64, NgramProposer(tiny64.vocab_size), cheaper_wide)
+    policy.table[:] = 0.9
+
+    class Batch:
+        seqs = [type("S", (), {"__len__": lambda self: 50})() for _ in range(2)]
+
+    drafts, signal = torch.zeros(2, 6, dtype=torch.long), torch.full((2, 6), 3)
+    assert policy.choose(Batch, Proposal(drafts, torch.tensor([2, 1]), signal), time.perf_counter()) == 2
+    assert policy.choose(Batch, Proposal(drafts, torch.tensor([0, 0]), signal), time.perf_counter()) == 0
+    assert policy.choose(Batch, Proposal(drafts, None, signal), time.perf_counter()) == 6
+
+
 def test_cost_fit_recovers_each_widths_cost():
     true = {q: (0.02 * q, 0.001 * q**0.5, 0.0005 * q) for q in (1, 2, 5)}  # widths need not be smooth
     cost = lambda b, q, s: sum(c * f for c, f in zip(true[q], features(b, s)))  # noqa: E731

@@ -177,10 +177,12 @@ class Adaptive:
     def choose(self, batch, proposal, started: float) -> int:
         """The verify width's draft count q - 1 that maximises the step's expected rate."""
         drafts = proposal.drafts.shape[1]
+        if proposal.num_proposed is not None:  # no column that no row uses, however cheap it looks
+            drafts = min(drafts, int(proposal.num_proposed.max()))
         if drafts == 0:
             return 0
         rows, span = len(batch.seqs), attended_span(batch)
-        a = self._estimates(proposal.signal.cpu(), self._ratios(batch.seqs))
+        a = self._estimates(proposal.signal[:, :drafts].cpu(), self._ratios(batch.seqs))
         if proposal.num_proposed is not None:
             a = a * (torch.arange(drafts)[None, :] < proposal.num_proposed.cpu()[:, None])
         spent = time.perf_counter() - started
