@@ -5,7 +5,8 @@
 
 1. data: the same target-written corpus as the draft (scripts/train_draft: prompts.json templates x
    topics, never Spec-Bench prompts; the target answers them and its final hidden states, the
-   features, are kept). Cached at --data; a run with the cache skips generation.
+   features, are kept), plus --self-instruct requests the target writes itself and then answers
+   (train_draft/selfinstruct.py). Cached at --data and --self-data; a run with both skips generation.
 2. vocabulary: the 8,192 most frequent tokens of the training split (train_draft/vocab.py).
 3. head: fc + one Llama layer initialised from the target's last layer, the final norm from the
    target's; the embedding and the LM head rows are the target's (shared, frozen, not stored).
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tra
 import answers  # noqa: E402
 import distill  # noqa: E402
 import pipeline  # noqa: E402
+import selfinstruct  # noqa: E402
 import vocab  # noqa: E402
 
 from batchspec import kv  # noqa: E402
@@ -53,6 +55,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default="/tmp/batchspec_draft/data.pt", help="cache of the generated data")
+    ap.add_argument("--self-data", default="/tmp/batchspec_draft/selfinstruct.pt", help="cache of the second corpus")
+    ap.add_argument("--self-instruct", type=int, default=1024, help="requests the target writes (0: none)")
+    ap.add_argument("--request-tokens", type=int, default=64, help="longest request the target writes")
     ap.add_argument("--out", default=EAGLE_FILE, help="weights file (the JSON goes next to it)")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=1500)
@@ -245,7 +250,10 @@ def main(argv: list[str] | None = None) -> None:
     wall = time.time()
     args.data_only = False
     data = answers.build_data(args)
+    extra = selfinstruct.build(args) if args.self_instruct else {"records": [], "requests": []}
     train_recs, val_recs = pipeline.split(data["records"], args.val_frac, args.seed)
+    self_train, self_val = pipeline.split(extra["records"], args.val_frac, args.seed) if extra["records"] else ([], [])
+    train_recs = train_recs + self_train
     pair = load_pair(args.pair, dtype="float32", device="cpu")
     forced = vocab.forced_ids(pair.tokenizer, pair.eos_ids)
     vocab_ids = vocab.choose_vocab(train_recs, min(args.vocab, pair.vocab_size), forced, pair.vocab_size)
@@ -253,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     before = evaluate(head, val_recs[: args.eval_records], args.k)
     LOG.info(f"before training: {before}")
     info = train(head, train_recs, val_recs, args, pair.pad_id)
-    after = evaluate(head, val_recs, args.k)
+    after = {"templated": evaluate(head, val_recs, args.k), "self_instruct": evaluate(head, self_val, args.k)}
     LOG.info(f"after training: {after}")
     meta = {
         "target": pipeline.TARGET_NAMES.get(args.pair, args.pair),
@@ -271,14 +279,16 @@ def main(argv: list[str] | None = None) -> None:
         }
         | {"train_s": info["train_s"], "train_tokens_seen": info["train_tokens"], "feature_rms": info["feature_rms"]},
         "data": {
-            "sequences": len(data["records"]),
-            "tokens": sum(len(r["tokens"]) for r in data["records"]),
-            "generation_s": round(data.get("gen_s", 0.0), 1),
-            "prompts": "scripts/train_draft/prompts.json templates x topics; no Spec-Bench prompts",
+            "sequences": len(data["records"]) + len(extra["records"]),
+            "tokens": sum(len(r["tokens"]) for r in data["records"] + extra["records"]),
+            "generation_s": round(data.get("gen_s", 0.0) + extra.get("gen_s", 0.0), 1),
+            "prompts": "scripts/train_draft/prompts.json templates x topics, and requests the target wrote "
+            "from train_draft/selfinstruct.py's kinds; no Spec-Bench prompts",
+            "self_instruct_requests": len(extra["requests"]),
         },
         "validation": {
             "k": args.k,
-            "held_out_answers": len(val_recs),
+            "held_out_answers": {"templated": len(val_recs), "self_instruct": len(self_val)},
             "before (first eval_records)": before,
             "after": after,
             "history (first eval_records)": info["history"],

@@ -57,11 +57,15 @@ def test_train_eagle_tiny_end_to_end(tmp_path):
     args = ["--pair", "tiny", "--data", str(tmp_path / "data.pt"), "--out", str(out), "--prompt-scale", "0.01"]
     args += ["--article-tokens", "8", "--max-new-tokens", "6", "--gen-batch", "64", "--vocab", str(VOCAB)]
     args += ["--steps", "3", "--batch-tokens", "512", "--eval-every", "2", "--log-every", "1", "--second-step", "0.5"]
+    args += ["--self-data", str(tmp_path / "self.pt"), "--self-instruct", "28", "--request-tokens", "12"]
     run_script("train_eagle.py", *args)
     meta = json.loads((tmp_path / "head.json").read_text(encoding="utf-8"))
     assert meta["training"]["steps"] == 3 and meta["training"]["second_step"] == 0.5
     assert meta["architecture"]["vocab_size_reduced"] == VOCAB
-    assert "sim_accepted" in meta["validation"]["after"]
+    after = meta["validation"]["after"]
+    assert "sim_accepted" in after["templated"] and "sim_accepted" in after["self_instruct"]
+    extra = torch.load(tmp_path / "self.pt")
+    assert len(extra["records"]) == 28 + len(extra["requests"]) == 28 + meta["data"]["self_instruct_requests"]
 
     pair = load_pair("tiny", dtype="float32", device="cpu")
     pair.head = load_head(pair.target, torch.float32, path=str(out))
