@@ -43,7 +43,7 @@ import vocab  # noqa: E402
 from batchspec import kv  # noqa: E402
 from batchspec.draft import draft_config  # noqa: E402
 from batchspec.eagle import EAGLE_FILE, EagleHead, save_head, shifted  # noqa: E402
-from batchspec.models import load_pair  # noqa: E402
+from batchspec.models import cpu_has_bf16, load_pair  # noqa: E402
 
 LOG = logging.getLogger("train_eagle")
 TRAINING_KEYS = ("seed", "steps", "batch_tokens", "lr", "cls_weight", "noise", "second_step")
@@ -69,7 +69,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--noise", type=float, default=0.1, help="uniform noise on input features, x their RMS")
     ap.add_argument("--second-step", type=float, default=0.0, help="weight of the second drafting step's loss")
     ap.add_argument("--init-layer", type=int, default=-1, help="target layer the head's layer starts from")
-    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast")
+    ap.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 autocast (default: if the CPU has bf16)",
+    )
     ap.add_argument("--val-frac", type=float, default=0.04)
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--eval-records", type=int, default=16, help="held-out answers simulated during training")
@@ -80,9 +85,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--article-tokens", type=int, default=360)
     ap.add_argument("--gen-batch", type=int, default=32)
+    ap.add_argument("--gen-dtype", default="float32", choices=("float32", "bfloat16"), help="the target's, generating")
     ap.add_argument("--sample-frac", type=float, default=0.2)
     ap.add_argument("--sample-temp", type=float, default=0.7)
     args = ap.parse_args(argv)
+    args.bf16 = cpu_has_bf16() if args.bf16 is None else args.bf16
     args.command = " ".join(["python scripts/train_eagle.py", *argv])
     return args
 
@@ -275,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
             "stored_dtype": "bfloat16",
         },
         "training": {
-            k: getattr(args, k) for k in ("seed", "steps", "batch_tokens", "lr", "cls_weight", "noise", "second_step")
+            k: getattr(args, k)
+            for k in ("seed", "steps", "batch_tokens", "lr", "cls_weight", "noise", "second_step", "bf16", "gen_dtype")
         }
         | {"train_s": info["train_s"], "train_tokens_seen": info["train_tokens"], "feature_rms": info["feature_rms"]},
         "data": {

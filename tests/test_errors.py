@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
-from batchspec import BatchspecError, EngineConfig, SamplingParams, SpecDecoder, tiny_pair
+from batchspec import BatchspecError, EngineConfig, SamplingParams, SpecDecoder, models, tiny_pair
 from batchspec.cli import main
 from batchspec.models import check_vocab, load_pair
 
@@ -112,3 +114,14 @@ def test_cli_errors_are_one_line(capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("batchspec: error:") and "Traceback" not in err
     assert __import__("re").search(message, err)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bfloat16_on_a_cpu_without_it_is_flagged(monkeypatch, native):
+    monkeypatch.setattr(models, "cpu_has_bf16", lambda: native)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_pair("tiny", dtype="bfloat16", device="cpu")
+        load_pair("tiny", dtype="float32", device="cpu")
+    flagged = [w for w in caught if "bfloat16 on this CPU is emulated" in str(w.message)]
+    assert len(flagged) == (0 if native else 1)

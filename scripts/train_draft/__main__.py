@@ -41,6 +41,7 @@ import pipeline
 import torch
 
 from batchspec.draft import DRAFT_FILE
+from batchspec.models import cpu_has_bf16
 
 LOG = logging.getLogger("train_draft")
 
@@ -62,6 +63,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--max-new-tokens", type=int, default=160)
     g.add_argument("--article-tokens", type=int, default=360, help="length of the passages the target writes")
     g.add_argument("--gen-batch", type=int, default=32)
+    g.add_argument("--gen-dtype", default="float32", choices=("float32", "bfloat16"), help="the target's, generating")
     g.add_argument("--sample-frac", type=float, default=0.2, help="share of answers sampled instead of greedy")
     g.add_argument("--sample-temp", type=float, default=0.7)
     g = ap.add_argument_group("draft and training")
@@ -74,7 +76,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--ce-weight", type=float, default=0.3, help="weight of the CE on the target's argmax")
     g.add_argument("--prompt-weight", type=float, default=1.0, help="loss weight of prompt positions")
-    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast")
+    g.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 autocast (default: if the CPU has bf16)",
+    )
     g.add_argument("--val-frac", type=float, default=0.04)
     g.add_argument("--eval-every", type=int, default=300)
     g.add_argument("--log-every", type=int, default=25)
@@ -86,6 +93,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--eval-tokens", type=int, default=64)
     g.add_argument("--eval-exact", type=int, default=13, help="prompts checked against `reference`")
     args = ap.parse_args(argv)
+    args.bf16 = cpu_has_bf16() if args.bf16 is None else args.bf16
     args.command = " ".join(["python scripts/train_draft", *argv])
     return args
 

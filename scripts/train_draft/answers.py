@@ -109,7 +109,7 @@ def build_data(args) -> dict:
         LOG.info(f"loading cached data from {args.data}")
         return torch.load(args.data)
     start = time.time()
-    pair = load_pair(args.pair, dtype="bfloat16", device="cpu")
+    pair = load_pair(args.pair, dtype=args.gen_dtype, device="cpu")
     rng = random.Random(args.seed)
     items = [("writing", p) for p in corpus.article_prompts()]
     LOG.info(f"passages: {len(items)} prompts")

@@ -72,7 +72,7 @@ def build(args) -> dict:
         LOG.info(f"loading cached self-instruct data from {args.self_data}")
         return torch.load(args.self_data)
     start = time.time()
-    pair = load_pair(args.pair, dtype="bfloat16", device="cpu")
+    pair = load_pair(args.pair, dtype=args.gen_dtype, device="cpu")
     rng = random.Random(args.seed + 10)
     metas = meta_prompts(rng, args.self_instruct)
     asked = answers.answer_all(pair, metas, args.seed + 11, args.request_tokens, (1.0, 0.8), args.gen_batch)
