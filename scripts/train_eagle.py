@@ -42,11 +42,22 @@ import vocab  # noqa: E402
 
 from batchspec import kv  # noqa: E402
 from batchspec.draft import draft_config  # noqa: E402
-from batchspec.eagle import EAGLE_FILE, EagleHead, save_head, shifted  # noqa: E402
+from batchspec.eagle import EAGLE_FILE, EagleHead, load_head, save_head, shifted  # noqa: E402
 from batchspec.models import cpu_has_bf16, load_pair  # noqa: E402
 
 LOG = logging.getLogger("train_eagle")
-TRAINING_KEYS = ("seed", "steps", "batch_tokens", "lr", "cls_weight", "noise", "second_step")
+TRAINING_KEYS = (
+    "seed",
+    "steps",
+    "batch_tokens",
+    "lr",
+    "cls_weight",
+    "noise",
+    "second_step",
+    "bf16",
+    "gen_dtype",
+    "init_from",
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -69,6 +80,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--noise", type=float, default=0.1, help="uniform noise on input features, x their RMS")
     ap.add_argument("--second-step", type=float, default=0.0, help="weight of the second drafting step's loss")
     ap.add_argument("--init-layer", type=int, default=-1, help="target layer the head's layer starts from")
+    ap.add_argument("--init-from", default=None, help="fine-tune these head weights (keeps their vocabulary)")
     ap.add_argument(
         "--bf16",
         action=argparse.BooleanOptionalAction,
@@ -263,8 +275,13 @@ def main(argv: list[str] | None = None) -> None:
     train_recs = train_recs + self_train
     pair = load_pair(args.pair, dtype="float32", device="cpu")
     forced = vocab.forced_ids(pair.tokenizer, pair.eos_ids)
-    vocab_ids = vocab.choose_vocab(train_recs, min(args.vocab, pair.vocab_size), forced, pair.vocab_size)
-    head = init_head(pair.target, vocab_ids, args.init_layer % pair.target.config.num_hidden_layers)
+    if args.init_from:  # fine-tuning: the weights and the vocabulary of a trained head
+        head = load_head(pair.target, torch.float32, args.init_from)
+        head.model.embed_tokens.weight.requires_grad_(False)
+        vocab_ids = head.vocab_ids
+    else:
+        vocab_ids = vocab.choose_vocab(train_recs, min(args.vocab, pair.vocab_size), forced, pair.vocab_size)
+        head = init_head(pair.target, vocab_ids, args.init_layer % pair.target.config.num_hidden_layers)
     before = evaluate(head, val_recs[: args.eval_records], args.k)
     LOG.info(f"before training: {before}")
     info = train(head, train_recs, val_recs, args, pair.pad_id)
@@ -281,10 +298,7 @@ def main(argv: list[str] | None = None) -> None:
             "params_stored": sum(t.numel() for t in head.stored_state().values()),
             "stored_dtype": "bfloat16",
         },
-        "training": {
-            k: getattr(args, k)
-            for k in ("seed", "steps", "batch_tokens", "lr", "cls_weight", "noise", "second_step", "bf16", "gen_dtype")
-        }
+        "training": {k: getattr(args, k) for k in TRAINING_KEYS}
         | {"train_s": info["train_s"], "train_tokens_seen": info["train_tokens"], "feature_rms": info["feature_rms"]},
         "data": {
             "sequences": len(data["records"]) + len(extra["records"]),

@@ -8,6 +8,7 @@ import json
 
 import torch
 from helpers import run_script
+from safetensors.torch import load_file
 
 from batchspec.draft import load_default_draft
 from batchspec.models import load_pair
@@ -75,3 +76,12 @@ def test_train_eagle_tiny_end_to_end(tmp_path):
     ref = [o.token_ids for o in SpecDecoder(pair, method="reference").generate(prompts, params)]
     dec = SpecDecoder(pair, method="ragged", proposer="eagle", k=3, check_invariants=True)
     assert [o.token_ids for o in dec.generate(prompts, params)] == ref
+
+    # --init-from: fine-tuning starts from these weights and keeps their vocabulary (at lr 0 the
+    # weights come back unchanged, through the bf16 round trip)
+    tuned = tmp_path / "tuned.safetensors"
+    args[args.index("--out") + 1], args[args.index("--steps") + 1] = str(tuned), "1"
+    run_script("train_eagle.py", *args, "--init-from", str(out), "--lr", "0")
+    assert json.loads((tmp_path / "tuned.json").read_text(encoding="utf-8"))["training"]["init_from"] == str(out)
+    first, second = load_file(str(out)), load_file(str(tuned))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
