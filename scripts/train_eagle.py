@@ -274,12 +274,12 @@ def main(argv: list[str] | None = None) -> None:
     self_train, self_val = pipeline.split(extra["records"], args.val_frac, args.seed) if extra["records"] else ([], [])
     train_recs = train_recs + self_train
     pair = load_pair(args.pair, dtype="float32", device="cpu")
-    forced = vocab.forced_ids(pair.tokenizer, pair.eos_ids)
     if args.init_from:  # fine-tuning: the weights and the vocabulary of a trained head
         head = load_head(pair.target, torch.float32, args.init_from)
         head.model.embed_tokens.weight.requires_grad_(False)
         vocab_ids = head.vocab_ids
     else:
+        forced = vocab.forced_ids(pair.tokenizer, pair.eos_ids)
         vocab_ids = vocab.choose_vocab(train_recs, min(args.vocab, pair.vocab_size), forced, pair.vocab_size)
         head = init_head(pair.target, vocab_ids, args.init_layer % pair.target.config.num_hidden_layers)
     before = evaluate(head, val_recs[: args.eval_records], args.k)
