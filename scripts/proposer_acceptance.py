@@ -6,7 +6,9 @@ and overall, and exactness against `reference` on the first prompt of each categ
 of one proposer forward against one target forward at batch 1 (one token over 300 cached).
 
     python scripts/proposer_acceptance.py --prompts ../shared/data/spec_bench/question.jsonl \\
-        [--proposers ngram,draft,eagle] [--k 4] [--per-category 5] [--max-new-tokens 64] [--json OUT]
+        [--proposers ngram,draft,eagle,eagle/3] [--k 4] [--per-category 5] [--max-new-tokens 64] [--json OUT]
+
+A proposer written NAME/C verifies a draft tree of C candidates per position (`--branches C`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def main() -> None:
     result = {"command": f"python scripts/proposer_acceptance.py {flags}", "proposers": {}}
     target_s = forward_seconds(pair.target, 1, 1, 300, 25)
     for name in args.proposers.split(","):
-        dec = SpecDecoder(pair, method="spec1", k=args.k, proposer=name)
+        proposer, _, branches = name.partition("/")
+        dec = SpecDecoder(pair, method="spec1", k=args.k, proposer=proposer, branches=int(branches or 1))
         per_cat, tokens, steps, start = {}, 0, 0, time.time()
         for cat, prompts in cats.items():
             outs = dec.generate(prompts, params)

@@ -78,6 +78,11 @@ class PaddedBatch:
         """Forget what `role` was fed since `mark` (a proposer's drafts it must not keep)."""
         kv.truncate(self.caches[role], mark)
 
+    def keep_path(self, role: str, nodes: int, index: torch.Tensor) -> None:
+        """After a draft tree's forward (its nodes the last `nodes` columns): node column j of row b
+        takes the entry of node column index[b, j] (index [B, nodes]; tree.py)."""
+        kv.reorder(self.caches[role], self.cache_width(role) - nodes, index)
+
     def realign(self) -> list[Sequence]:
         """After the step's tokens were committed to the sequences: drop finished rows, then unpad,
         append and repad every role's cache (one gather per layer). Returns the finished rows."""

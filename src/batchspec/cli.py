@@ -27,6 +27,10 @@ PROPOSER_HELP = (
     "draft model, n-gram lookup, the draft head reading the target's features, or lookup first and "
     "a model elsewhere (ngram+eagle, ngram+draft) (default: the pair's)"
 )
+BRANCHES_HELP = (
+    "candidates verified per draft position: 1 = a chain (default); C > 1 adds the model proposer's "
+    "C - 1 next-best tokens at each depth as leaves of a draft tree, verified in the same forward"
+)
 K_HELP = (
     "draft tokens per row and step: N, or auto (default: chosen every step from measured costs, "
     f"0..{AUTO_K_MAX} per row)"
@@ -84,6 +88,7 @@ def _decode_options(p: argparse.ArgumentParser, one_method: bool) -> None:
     else:
         g.add_argument("-k", default="auto", help=K_HELP + "; a comma-separated list runs each value (bench)")
     g.add_argument("--proposer", choices=list(PROPOSERS), help=PROPOSER_HELP)
+    g.add_argument("--branches", type=int, default=1, help=BRANCHES_HELP)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -148,6 +153,7 @@ def _serve_parser(sub) -> None:
     g.add_argument("-k", type=k_value, default="auto", help=K_HELP)
     g.add_argument("--no-spec", action="store_true", help="plain decoding (k = 0) in the same engine")
     g.add_argument("--proposer", choices=list(PROPOSERS), help=PROPOSER_HELP)
+    g.add_argument("--branches", type=int, default=1, help=BRANCHES_HELP)
     g.add_argument("--batch-size", type=int, default=8, help="rows decoded together (default 8)")
     g.add_argument(
         "--kv-budget",
@@ -279,6 +285,7 @@ def engine_options(args) -> dict:
     return dict(
         k=args.k,
         proposer=args.proposer,
+        branches=args.branches,
         window_size=args.window_size,
         min_group=args.min_group,
         kv_budget_tokens=args.kv_budget_tokens,

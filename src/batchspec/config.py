@@ -73,8 +73,9 @@ class EngineConfig:
     """How to decode: the method and its knobs.
 
     k: draft tokens per step (speculative methods): an integer >= 1, or "auto" (the default: each
-    step chooses 0 .. AUTO_K_MAX per row from measured costs, speculation.py). batch_size: rows per
-    forward pass.
+    step chooses 0 .. AUTO_K_MAX per row from measured costs, speculation.py). branches: candidates
+    verified per draft position (1: a chain; c > 1: the proposer's c - 1 next-best tokens as leaves
+    of a draft tree, tree.py). batch_size: rows per forward pass.
     window_size: EXSPEC's active pool (default 4 x batch_size). min_group: smallest same-length
     group EXSPEC runs without padding (default batch_size). kv_budget_tokens: KV tokens the
     ragged layout's rows may reserve together (default: its batch_size largest requests).
@@ -84,6 +85,7 @@ class EngineConfig:
     k: int | str = "auto"
     batch_size: int = 8
     proposer: str | None = None  # "draft" | "ngram" | "eagle"; None: the pair's default
+    branches: int = 1  # candidates verified per draft position: > 1 adds the proposer's next best (tree.py)
     window_size: int | None = None
     min_group: int | None = None
     kv_budget_tokens: int | None = None
@@ -96,6 +98,14 @@ class EngineConfig:
         methods.get(self.method)  # raises for an unknown name
         if self.k != "auto" and (not _is_int(self.k) or self.k < 1):
             raise BatchspecError(f"k (draft tokens per step) must be an integer >= 1 or 'auto', got {self.k!r}")
+        if not _is_int(self.branches) or self.branches < 1:
+            raise BatchspecError(
+                f"branches (candidates per draft position) must be an integer >= 1, got {self.branches!r}"
+            )
+        if self.branches > 1 and self.proposer == "ngram":
+            raise BatchspecError(
+                "--branches needs a model proposer (eagle, draft, ngram+...): n-gram lookup has no ranking"
+            )
         if not _is_int(self.batch_size) or self.batch_size < 1:
             raise BatchspecError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         if self.proposer is not None and self.proposer not in PROPOSERS:

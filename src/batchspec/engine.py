@@ -77,7 +77,12 @@ class SpecDecoder:
                 f"tokenizer mismatch: the target's vocabulary has {pair.vocab_size} entries, the draft's "
                 f"{pair.draft.config.vocab_size}"
             )
-        return DraftProposer(pair.draft, pair.vocab_size, pair.draft_vocab_ids)
+        proposer = DraftProposer(pair.draft, pair.vocab_size, pair.draft_vocab_ids, self.config.branches)
+        if self.config.branches > 1:
+            if methods.get(self.config.method).broken:
+                raise BatchspecError(f"method {self.config.method!r} verifies chains only; use --branches 1")
+            proposer.rewinds = True  # a leaf's token is never in the draft's cache: re-fed next step
+        return proposer
 
     def _eagle_proposer(self) -> EagleProposer:
         pair = self.pair
@@ -91,7 +96,7 @@ class SpecDecoder:
                 f"method {self.config.method!r} cannot run the draft head (--proposer eagle): its batch keeps "
                 "rejected drafts in the caches, which the head cannot rewind; use draft or ngram"
             )
-        return EagleProposer(pair.head, pair.vocab_size, pair.target.config.hidden_size)
+        return EagleProposer(pair.head, pair.vocab_size, pair.target.config.hidden_size, self.config.branches)
 
     def make_sequences(
         self, prompts: list, params: SamplingParams | list[SamplingParams], chat_template: bool = True

@@ -159,6 +159,19 @@ def gather(cache: BufferCache, rows: torch.Tensor, index: torch.Tensor, full_bat
         layer.hold(new[0], new[1], width_)
 
 
+def reorder(cache: BufferCache, start: int, index: torch.Tensor) -> None:
+    """In place, columns start..start+N of every row: new[b, :, start + j] = old[b, :, start +
+    index[b, j]] (index [B, N]; a tree's accepted path moved to the chain's columns)."""
+    n = index.shape[1]
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            continue
+        for t in (layer.keys, layer.values):
+            region = t[:, :, start : start + n]
+            idx = index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+            region.copy_(region.gather(2, idx))
+
+
 def select_rows(cache: BufferCache, rows: torch.Tensor) -> None:
     """In place: keep only `rows` of the batch."""
     for layer in cache.layers:
@@ -354,6 +367,22 @@ class SlotCache(Cache):
         c, i = self.place[dst] = self.place.pop(src)
         self.filled[dst] = self.filled.pop(src)
         self.members[c][i] = dst
+
+    def reorder(self, starts: torch.Tensor, index: torch.Tensor) -> None:
+        """In place, for batch rows 0..n-1: slot starts[b] + j takes the entry of slot starts[b] +
+        index[b, j] (index [n, N]); `kv.reorder` for the ragged layout."""
+        slots = starts[:, None] + index  # [n, N]
+        for c, members in self.members.items():
+            rows = [b for b in members if b < index.shape[0]]
+            if not rows:
+                continue
+            where = torch.tensor([self.place[b][1] for b in rows], device=self.device)
+            batch_rows = torch.tensor(rows, device=self.device)
+            src, dst = slots.index_select(0, batch_rows), starts.index_select(0, batch_rows)[:, None]
+            dst = dst + torch.arange(index.shape[1], device=self.device)[None, :]
+            for layer in self.layers:
+                for slab in (layer.keys[c], layer.values[c]):
+                    slab[where[:, None], :, dst] = slab[where[:, None], :, src]  # [m, N, H, D] each side
 
     def row(self, row: int, count_: int) -> SeqKV:
         """Batch row `row`'s first `count_` entries of every layer, as views."""

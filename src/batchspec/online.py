@@ -90,7 +90,9 @@ class OnlineEngine:
         self.thread = threading.Thread(target=self._main, name="batchspec-engine", daemon=True)
 
     def _new_batch(self) -> RaggedBatch:
-        return RaggedBatch(self.ctx.models(), self.capacity, self.budget, self.ctx.k, self.ctx.pad_id, self.ctx.device)
+        return RaggedBatch(
+            self.ctx.models(), self.capacity, self.budget, self.ctx.slots, self.ctx.pad_id, self.ctx.device
+        )
 
     def start(self) -> OnlineEngine:
         self.thread.start()

@@ -38,6 +38,7 @@ class Proposal:
     num_proposed: torch.Tensor | None = None  # [B]; None means k for every row
     signal: torch.Tensor | None = None  # [B, k] long: each draft's confidence bin (0 .. proposer.bins - 1)
     forwards: int | None = None  # proposer calls it took; None: one per draft (a model), one (a lookup)
+    alternatives: torch.Tensor | None = None  # [B, k, c-1]: next-best tokens at each depth (tree.py)
 
 
 #: Called by a proposer that drafts step by step, after draft i (0-based) with the bins so far
@@ -73,8 +74,9 @@ class DraftProposer:
     bins = 10
     rewinds = False  # forget the drafting forwards' cache entries after each proposal (a head's)
 
-    def __init__(self, model, vocab_size: int, vocab_ids: torch.Tensor | None = None):
+    def __init__(self, model, vocab_size: int, vocab_ids: torch.Tensor | None = None, branches: int = 1):
         self.model = model
+        self.branches = branches  # candidates per depth: > 1 offers c - 1 alternatives (a tree)
         self.vocab_size = vocab_size  # the target's vocabulary (size of noise's last dim)
         self.vocab_ids = vocab_ids  # [V_head] head index -> full id, or None for a full head
 
@@ -86,17 +88,30 @@ class DraftProposer:
         lag). `stop` may end drafting early for the whole batch."""
         logits, carry = self._feed(batch, batch.pending(self.role))
         mark = batch.mark(self.role) if self.rewinds else None
-        drafts, bins = [], []
+        drafts, bins, others = [], [], []
+        tree = self.branches > 1 and self.rewinds  # a kept cache would hold the chain's token, not a leaf's
         for i in range(k):
             token, confidence = self._pick(logits[:, -1], params, None if noise is None else noise[:, i])
             drafts.append(token)
             bins.append((confidence * self.bins).long().clamp(max=self.bins - 1))
+            if tree:
+                others.append(self._alternatives(logits[:, -1], token))
             if i == k - 1 or (stop is not None and stop(i, torch.stack(bins, dim=1))):
                 break
             logits, carry = self._feed(batch, token[:, None], carry)
         if self.rewinds:
             batch.rewind(self.role, mark)
-        return Proposal(torch.stack(drafts, dim=1), signal=torch.stack(bins, dim=1))
+        alternatives = torch.stack(others, dim=1) if tree else None
+        return Proposal(torch.stack(drafts, dim=1), signal=torch.stack(bins, dim=1), alternatives=alternatives)
+
+    def _alternatives(self, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """logits [B, V_head], the drafted tokens [B] -> the c - 1 most likely other tokens [B, c-1]
+        (full ids, best first)."""
+        c = self.branches
+        top = self._to_full(logits.topk(min(c, logits.shape[-1]), dim=-1).indices)  # [B, c]
+        other = top != token[:, None]
+        order = torch.argsort((~other).int(), dim=1, stable=True)[:, : c - 1]  # the drafted one last
+        return top.gather(1, order)
 
     def feed(self, batch: Layout, ids: torch.Tensor) -> torch.Tensor:
         """Feed ids [B, q] to the draft's cache in `batch`; logits of the last column [B, 1, V_head]."""
@@ -133,8 +148,8 @@ class EagleProposer(DraftProposer):
 
     rewinds = True
 
-    def __init__(self, model, vocab_size: int, hidden_size: int):
-        super().__init__(model, vocab_size, model.vocab_ids)
+    def __init__(self, model, vocab_size: int, hidden_size: int, branches: int = 1):
+        super().__init__(model, vocab_size, model.vocab_ids, branches)
         self.features = Features(hidden_size)
 
     def _feed(self, batch: Layout, ids: torch.Tensor, carry: torch.Tensor | None = None):
@@ -162,6 +177,7 @@ class LookupFirst:
         model_proposer.rewinds = True
         self.inner, self.lookup, self.min_match = model_proposer, lookup, min_match
         self.role, self.model = model_proposer.role, model_proposer.model
+        self.branches = model_proposer.branches
         self.bins = model_proposer.bins + lookup.bins
         if hasattr(model_proposer, "features"):
             self.features = model_proposer.features
@@ -186,7 +202,10 @@ class LookupFirst:
         counts = torch.where(take, found.num_proposed.clamp(max=j), j)
         drafts = torch.where(take[:, None], found.drafts[:, :j], drafted.drafts)
         signal = torch.where(take[:, None], mine[:, :j], drafted.signal)
-        return Proposal(drafts, counts, signal)
+        alternatives = drafted.alternatives
+        if alternatives is not None:  # a lookup row's leaves repeat its drafts: never kept over them
+            alternatives = torch.where(take[:, None, None], drafts[:, :, None], alternatives)
+        return Proposal(drafts, counts, signal, alternatives=alternatives)
 
 
 class NgramProposer:

@@ -136,6 +136,11 @@ class RaggedBatch:
         """Forget what `role` was fed since `mark` (the slots are overwritten later)."""
         self.heads[role][: len(self.seqs)] = mark
 
+    def keep_path(self, role: str, nodes: int, index: torch.Tensor) -> None:
+        """After a draft tree's forward (its nodes each row's last `nodes` slots written): node slot
+        j of row b takes the entry of node slot index[b, j] (index [B, nodes]; tree.py)."""
+        self.caches[role].reorder(self.heads[role][: len(self.seqs)] - nodes, index)
+
     def realign(self) -> list[Sequence]:
         """No realignment: count the entries that hold committed tokens, then retire finished rows."""
         n = len(self.seqs)
@@ -241,8 +246,8 @@ def kv_budget(seqs: list[Sequence], k: int, budget: int | None, rows: int) -> in
 def run(ctx: Context, seqs: list[Sequence], config) -> None:
     """Decode `seqs` in place: continuous admission (chunked prefill) into a ragged batch, as a
     client of the engine loop (loop.py) that the server runs too."""
-    budget = kv_budget(seqs, ctx.k, config.kv_budget_tokens, config.batch_size)
-    batch = RaggedBatch(ctx.models(), config.batch_size, budget, ctx.k, ctx.pad_id, ctx.device)
+    budget = kv_budget(seqs, ctx.slots, config.kv_budget_tokens, config.batch_size)
+    batch = RaggedBatch(ctx.models(), config.batch_size, budget, ctx.slots, ctx.pad_id, ctx.device)
     # Offline every request is known and no client waits for a first token, so admission prefills
     # whatever fits at once (in length buckets) unless a chunk is given; the server chunks.
     loop = Loop(ctx, batch, config.prefill_chunk if config.prefill_chunk is not None else OFFLINE_CHUNK)

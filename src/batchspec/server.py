@@ -49,7 +49,7 @@ class Service:
 
     def __init__(self, engine: OnlineEngine, pair, model_name: str, tokenizer_lock: threading.Lock):
         self.engine, self.pair, self.model_name, self.lock = engine, pair, model_name, tokenizer_lock
-        self.k, self.budget, self.context = engine.ctx.k, engine.budget, pair.context_len
+        self.k, self.budget, self.context = engine.ctx.slots, engine.budget, pair.context_len
         self.rejected: dict[str, int] = {}  # outcome -> requests refused before the engine
 
     def encode(self, job: api.Job) -> list[int]:
@@ -329,12 +329,14 @@ def build_service(args) -> Service:
         k=args.k,
         batch_size=args.batch_size,
         proposer=args.proposer,
+        branches=args.branches,
         kv_budget_tokens=args.kv_budget_tokens,
         prefill_chunk=args.prefill_chunk,
     )
     k = 0 if args.no_spec else config.k_max
-    if args.kv_budget_tokens is not None and args.kv_budget_tokens < k + 2:
-        raise BatchspecError(f"--kv-budget must leave room for a prompt token and k + 1 = {k + 1} draft slots")
+    slots = k * config.branches  # draft slots a step may write per row (a tree's leaves too)
+    if args.kv_budget_tokens is not None and args.kv_budget_tokens < slots + 2:
+        raise BatchspecError(f"--kv-budget must leave room for a prompt token and {slots + 1} draft slots")
     pair = load_models(args)
     decoder = SpecDecoder(pair, config)  # builds and checks the proposer
     ctx = Context(

@@ -120,7 +120,8 @@ class Adaptive:
 
     def __init__(self, target, proposer, capacity: int, k_max: int = AUTO_K_MAX):
         self.k_max, self.proposer = k_max, proposer
-        self.step_cost = StepCost(probe(target, capacity, k_max + 1))
+        self.branches = getattr(proposer, "branches", 1)  # a draft tree verifies 1 + width x branches
+        self.step_cost = StepCost(probe(target, capacity, self._columns(k_max)))
         cheap = proposer.model is None
         self.prop_cost = StepCost([] if cheap else probe(proposer.model, capacity, 1))
         self.prior = _prior(proposer.bins)  # [bins] acceptance of a bin's first draft before any data
@@ -196,7 +197,7 @@ class Adaptive:
     def observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span) -> None:
         """Learn from a finished step: acceptance by bin and position, each row's ratio, costs."""
         rows = len(num_accepted)
-        self.step_cost.observe(rows, width + 1, span, step_s)
+        self.step_cost.observe(rows, self._columns(width), span, step_s)
         self.unverified = 0 if width > 0 else self.unverified + 1
         self.unplain = 0 if width == 0 else self.unplain + 1
         if proposal is None:
@@ -254,6 +255,10 @@ class Adaptive:
         any_prior = torch.tensor([float(self.prior.mean())], dtype=torch.float64)
         self.any_bin = _shrunk(self.hits.sum(0, keepdim=True), self.seen.sum(0, keepdim=True), any_prior)[0]
 
+    def _columns(self, width: int) -> int:
+        """Columns a verification of `width` chain drafts feeds per row: the tree's leaves too."""
+        return 1 + width * self.branches
+
     def _ratios(self, seqs) -> torch.Tensor:
         return torch.tensor([self.ratio.get(s, 1.0) for s in seqs], dtype=torch.float64)
 
@@ -281,7 +286,9 @@ class Adaptive:
         tokens = rows + extra * min(2.0, max(0.25, realised / predicted))
         seconds = torch.tensor(
             [
-                self.step_cost(rows, q, span) + (prop_s if sunk or q > 1 else 0.0) + per_draft * (q - 1)
+                self.step_cost(rows, self._columns(q - 1), span)
+                + (prop_s if sunk or q > 1 else 0.0)
+                + per_draft * (q - 1)
                 for q in range(1, p.shape[1] + 2)
             ],
             dtype=torch.float64,

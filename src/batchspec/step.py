@@ -25,14 +25,14 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from . import acceptance, kv, tp
+from . import acceptance, kv, tp, tree
 from .batch import PaddedBatch
 from .proposer import Proposal, Proposer
 from .sampling import RowParams, choose, probabilities, row_noise
 from .sequence import Sequence, Status
 from .speculation import Fixed, Speculation, attended_span, timed
 from .stats import Stats
-from .verifier import target_forward, verify
+from .verifier import settle, target_forward, verify, verify_tree
 
 
 @runtime_checkable
@@ -76,6 +76,9 @@ class Layout(Protocol):
         """Assert the layout's structural invariants."""
         ...
 
+    # Optional: `keep_path(role, nodes, index)`, after a draft tree's forward, moves each row's
+    # accepted path to the chain's slots (tree.py); a layout without it verifies chains only.
+
 
 @dataclass
 class Context:
@@ -96,6 +99,11 @@ class Context:
     def __post_init__(self) -> None:
         if self.speculation is None:
             self.speculation = Fixed(self.k)
+
+    @property
+    def slots(self) -> int:
+        """The most draft slots a row's verification writes: k, or k x branches for a draft tree."""
+        return self.k * max(1, getattr(self.proposer, "branches", 1))
 
     def models(self) -> dict:
         """Models that keep a cache, by role: the target, and the draft if the proposer has one."""
@@ -173,15 +181,29 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
             proposal = ctx.proposer.propose(batch, k, params, None if noise is None else noise[:, :k], stop)
         drafts, limit = _chosen(policy, batch, proposal, started, ctx.device)
     step_start = timed(ctx.device)
+    features = getattr(ctx.proposer, "features", None)
+    shape = _tree(proposal, batch, drafts.shape[1])
     with stats.stage("verify"):
-        logits = verify(ctx.target, batch, drafts, getattr(ctx.proposer, "features", None))
+        if shape is None:
+            logits = verify(ctx.target, batch, drafts, features)
+        else:
+            nodes = tree.nodes(drafts, proposal.alternatives[:, : drafts.shape[1]])
+            logits, fed = verify_tree(ctx.target, batch, nodes, shape, features)
     with stats.stage("accept"):
         width = drafts.shape[1]
+        offsets = torch.arange(width + 1) if shape is None else torch.tensor([0, *shape.depth()])
         if params.greedy:
             choice = logits.argmax(dim=-1)
+        else:  # noise by position: a tree's node at depth d reads offset d
+            choice = choose(probabilities(logits, params), noise[:, offsets.to(noise.device)])
+        if shape is None:
+            outcome = ctx.accept(drafts, choice, limit)
         else:
-            choice = choose(probabilities(logits, params), noise[:, : width + 1])
-        outcome = ctx.accept(drafts, choice, limit)
+            outcome, path = tree.accept(nodes, shape, choice, limit)
+            settle(batch, fed, path, features)
+            ends = path.gather(1, (outcome.num_accepted - 1).clamp(min=0)[:, None])[:, 0]  # deepest kept node
+            leaves = int(((ends >= width) & (outcome.num_accepted > 0)).sum())
+            stats.extra["leaf_tokens"] = stats.extra.get("leaf_tokens", 0) + leaves
         rows, accepted = outcome.rows(), outcome.num_accepted.tolist()
         kept = [seq.commit(row, a) for seq, row, a in zip(seqs, rows, accepted)]
         stats.record_step(kept, [seq.accepted_per_step[-1] for seq in seqs])
@@ -209,6 +231,14 @@ def _chosen(policy, batch: Layout, proposal: Proposal | None, started: float, de
     if limit is not None:  # columns past a row's drafts are padding it never accepts
         limit = limit.clamp(max=width)
     return proposal.drafts[:, :width], limit
+
+
+def _tree(proposal: Proposal | None, batch: Layout, width: int) -> tree.Tree | None:
+    """The draft tree to verify: the chain plus the proposal's alternatives at each of its `width`
+    depths, where the proposer offers them and the layout can keep a tree's path; else None."""
+    if proposal is None or proposal.alternatives is None or width == 0 or not hasattr(batch, "keep_path"):
+        return None
+    return tree.Tree.chain_with_alternatives(width, proposal.alternatives.shape[2] + 1)
 
 
 def _after(ctx: Context, batch: Layout, finished: list[Sequence]) -> None:

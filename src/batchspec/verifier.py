@@ -6,9 +6,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from .tree import Tree, restrict
 
 if TYPE_CHECKING:
     from .step import Layout
@@ -35,3 +38,45 @@ def target_forward(target, batch: Layout, ids: torch.Tensor, features=None, last
 def verify(target, batch: Layout, drafts: torch.Tensor, features=None) -> torch.Tensor:
     """drafts [B, k] -> target logits [B, k+1, V] at `[last, d1..dk]`, in one forward pass."""
     return target_forward(target, batch, torch.cat([batch.pending("target"), drafts], dim=1), features)
+
+
+@dataclass
+class TreeForward:
+    """What `settle` needs of a tree verification: the number of node columns, the chain-order
+    positions of the fed columns [B, q], and the target's features there [B, q, H] (or None)."""
+
+    nodes: int
+    positions: torch.Tensor
+    hidden: torch.Tensor | None
+
+
+def verify_tree(target, batch: Layout, nodes: torch.Tensor, tree: Tree, features=None):
+    """nodes [B, N] (tokens in `tree`'s order) -> (target logits [B, N+1, V] at `[last, nodes]`,
+    a `TreeForward` for `settle`), in one forward pass with the tree's mask and positions."""
+    pending = batch.pending("target")
+    p = pending.shape[1]
+    inputs = batch.inputs("target", p + nodes.shape[1])
+    chain_positions = inputs["position_ids"]
+    inputs = restrict(inputs, p, tree)
+    ids = torch.cat([pending, nodes], dim=1)
+    if features is None:
+        return forward(target, ids, inputs)[:, p - 1 :], TreeForward(len(tree), chain_positions, None)
+    hidden = target.get_decoder()(input_ids=ids, use_cache=True, **inputs).last_hidden_state
+    logits = target.get_output_embeddings()(hidden[:, p - 1 :])
+    return logits, TreeForward(len(tree), chain_positions, hidden)
+
+
+def settle(batch: Layout, fed: TreeForward, path: torch.Tensor, features=None) -> None:
+    """After a tree's acceptance: move each row's path (path [B, k], node index by depth) to the
+    chain's slots of the target's cache, and keep the target's features of the pending tokens and
+    the path, so the layout rolls back as after a chain (the first num_accepted kept)."""
+    b, k = path.shape
+    chain = torch.arange(k, device=path.device)
+    if not bool((path == chain).all()):
+        index = torch.arange(fed.nodes, device=path.device).expand(b, fed.nodes).clone()
+        index[:, :k] = path
+        batch.keep_path("target", fed.nodes, index)
+    if features is not None and fed.hidden is not None:
+        p = fed.hidden.shape[1] - fed.nodes
+        picked = fed.hidden[:, p:].gather(1, path[:, :, None].expand(-1, -1, fed.hidden.shape[2]))
+        features.write(batch.seqs, fed.positions[:, : p + k], torch.cat([fed.hidden[:, :p], picked], dim=1))
