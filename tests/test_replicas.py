@@ -87,13 +87,14 @@ def test_a_dropped_stream_leaves_no_running_row(replicas):
 
 @needs_ray
 def test_past_the_queue_bound_requests_are_refused_at_once(replicas):
-    """A burst of 48 requests on 2 x 4 rows: Serve holds --max-queue (8) of those it cannot place
-    and answers the rest 503 at once; everything it took is answered."""
+    """A burst of 48 requests on 2 x 4 rows: Serve holds about --max-queue (8) of those it cannot
+    place and answers the rest 503 at once; everything it took is answered. Serve counts the queue
+    per router and while replicas report their load, so only the 8 rows are a firm lower bound."""
     url = replicas.url + "/v1/completions"
     body = {"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 100, "ignore_eos": True}
     with ThreadPoolExecutor(48) as pool:
         codes = list(pool.map(lambda _: httpx.post(url, json=body, timeout=60).status_code, range(48)))
-    assert codes.count(503) >= 1 and codes.count(200) >= 16 and set(codes) <= {200, 429, 503}, codes
+    assert codes.count(503) >= 1 and codes.count(200) >= 8 and set(codes) <= {200, 429, 503}, codes
 
 
 @needs_ray

@@ -285,3 +285,26 @@ def test_full_queue_is_refused_at_once_and_sigterm_exits_0():
         assert srv.proc.wait(60) == 0
     finally:
         srv.stop()
+
+
+def test_a_draft_tree_served_concurrently_equals_reference():
+    """`serve --proposer eagle --branches 3`: 8 concurrent greedy requests, each equal to the
+    target alone, and the draft slots of a tree counted in the KV budget's check."""
+    srv = Server("--batch-size", "4", "-k", "3", "--proposer", "eagle", "--branches", "3", "--kv-budget", "400")
+    try:
+        prompts = random_prompts(83, 8, 2, 30)
+
+        async def one(i):
+            out = await srv.aclient.completions.create(model="tiny", prompt=prompts[i], max_tokens=24, temperature=0)
+            return _ids(out)
+
+        async def all_of_them():
+            return await asyncio.gather(*(one(i) for i in range(8)))
+
+        for i, ids in enumerate(asyncio.run(all_of_them())):
+            assert ids == reference_tokens_64(prompts[i], 24), f"request {i}"
+        too_long = random_prompts(84, 1, 350, 351)[0]  # 350 + 40 + 10 draft slots > 400
+        with pytest.raises(openai.BadRequestError, match="10 draft slots"):
+            _complete(srv, too_long, max_tokens=40)
+    finally:
+        assert srv.stop() == 0

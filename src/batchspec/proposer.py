@@ -171,7 +171,9 @@ class LookupFirst:
     The model's cache is rewound after each proposal (as the head's always is): rows that take the
     lookup's drafts leave no entries of the model's own drafts behind, and accepted tokens are fed
     to the model on the next step. Bins: the model's (0 .. model.bins - 1), then model.bins + the
-    lookup's match length. The model is not called when every row takes the lookup's drafts."""
+    lookup's match length. The model is not called when every row takes the lookup's drafts. In a
+    draft tree (`branches` > 1) a lookup row's leaves are the model's own drafts and next best, so
+    the model's guess still counts where the lookup's breaks."""
 
     def __init__(self, model_proposer: DraftProposer, lookup: NgramProposer, min_match: int = MIN_MATCH):
         model_proposer.rewinds = True
@@ -203,8 +205,9 @@ class LookupFirst:
         drafts = torch.where(take[:, None], found.drafts[:, :j], drafted.drafts)
         signal = torch.where(take[:, None], mine[:, :j], drafted.signal)
         alternatives = drafted.alternatives
-        if alternatives is not None:  # a lookup row's leaves repeat its drafts: never kept over them
-            alternatives = torch.where(take[:, None, None], drafts[:, :, None], alternatives)
+        if alternatives is not None:  # a lookup row's leaves: the model's own drafts, then its next best
+            model = torch.cat([drafted.drafts[:, :, None], alternatives[:, :, :-1]], dim=2)
+            alternatives = torch.where(take[:, None, None], model, alternatives)
         return Proposal(drafts, counts, signal, alternatives=alternatives)
 
 
