@@ -81,7 +81,7 @@ def test_bench_pairs_runs_of_a_repeat_and_alternates_their_order(tiny32, monkeyp
     from batchspec.config import SamplingParams
 
     order, run_one = [], bench.run_one
-    monkeypatch.setattr(bench, "run_one", lambda *a, **kw: order.append(a[2:5]) or run_one(*a, **kw))
+    monkeypatch.setattr(bench, "run_one", lambda *a, **kw: order.append(a[2:6]) or run_one(*a, **kw))
     report = bench.bench(
         tiny32,
         ["a prompt", "another", "x"],
@@ -93,7 +93,7 @@ def test_bench_pairs_runs_of_a_repeat_and_alternates_their_order(tiny32, monkeyp
         progress=False,
     )
     timed = order[3:]  # after the warm-up
-    configs = [("ar", 2, None), ("ragged", 2, 2), ("ragged", 2, "auto")]
+    configs = [("ar", 2, None, None), ("ragged", 2, 2, 1), ("ragged", 2, "auto", 1)]
     assert timed == configs + configs[::-1] + configs
     rate = {(r["method"], r["k"]): r["tokens_per_s_repeats"] for r in report["runs"]}
     auto = next(r for r in report["runs"] if r["k"] == "auto")
@@ -182,3 +182,24 @@ def test_generate_cli_writes_results_in_input_order(tmp_path, capsys):
     assert "group_rate" in data["stats"] and "tokens_per_s" in data["stats"]
     printed = capsys.readouterr().out
     assert "tok/s" in printed and "prompt number 3" in printed
+
+
+def test_bench_runs_chains_and_trees_side_by_side(tmp_path, capsys):
+    """--branches 1,2 runs every speculative configuration as a chain and as a tree in one run;
+    the cost table covers a tree's 1 + k * branches columns; verify refuses a list."""
+    out = tmp_path / "b.json"
+    argv = ["--pair", "tiny", "--methods", "ar,spec1", "--batch-sizes", "1", "-k", "2", "--branches", "1,2"]
+    rc = main(["bench", *argv, "--proposer", "eagle", "--max-new-tokens", "8", "--quiet", "--json", str(out), "a b"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert [(r["method"], r["k"], r["branches"]) for r in report["runs"]] == [
+        ("ar", None, None),
+        ("spec1", 2, 1),
+        ("spec1", 2, 2),
+    ]
+    assert report["branches"] == [1, 2] and max(map(int, report["costs"]["target_ms"]["1"])) >= 5
+    chain, tree = report["runs"][1:]
+    assert tree["vs_spec1"] == 1.0 and chain["vs_spec1"] == 1.0  # each against spec1 of its own shape
+    assert " 2/2 " in capsys.readouterr().out
+    assert main(["verify", *argv, "--quiet", "a b"]) == 2
+    assert "one --branches value" in capsys.readouterr().err

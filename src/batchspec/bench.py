@@ -65,23 +65,23 @@ class PeakMemory:
         return out
 
 
-def combos(names: list[str], batch_sizes: list[int], ks: list = (4,)) -> list[tuple[str, int, int | str | None]]:
-    """(method, batch size, k): one-at-a-time methods at batch 1 only, k only for speculative ones."""
+def combos(names: list[str], batch_sizes: list[int], ks: list = (4,), branches: list = (1,)) -> list[tuple]:
+    """(method, batch size, k, branches): one-at-a-time methods at batch 1 only, k and branches only
+    for speculative ones."""
     out = []
     for m in names:
         spec = methods.get(m)
         for b in batch_sizes if spec.batched else [1]:
-            out += [(m, b, k) for k in ks] if spec.speculative else [(m, b, None)]
+            out += [(m, b, k, c) for c in branches for k in ks] if spec.speculative else [(m, b, None, None)]
     return out
 
 
-def run_one(pair, prompts, method, batch, k, params, proposer, options, decoders=None) -> dict:
+def run_one(pair, prompts, method, batch, k, branches, params, proposer, options, decoders=None) -> dict:
     """One run; `decoders` keeps each configuration's decoder across repeats (what `auto` learned
     in the warm-up carries over, as in a long-running engine)."""
-    config = EngineConfig(
-        method=method, batch_size=batch, proposer=proposer, **options, **({} if k is None else {"k": k})
-    )
-    key = (method, batch, k)
+    tree = {} if k is None else {"k": k, "branches": branches}
+    config = EngineConfig(method=method, batch_size=batch, proposer=proposer, **options, **tree)
+    key = (method, batch, k, branches)
     dec = decoders.get(key) if decoders is not None else None
     if dec is None:
         dec = SpecDecoder(pair, config)
@@ -102,31 +102,33 @@ def bench(
     proposer=None,
     repeats=1,
     progress=True,
+    branches=(1,),
     **options,
 ) -> dict:
-    """Run everything; returns the JSON-ready report. `k`: a value or a list of them, each run
-    with every speculative method. `options`: further EngineConfig fields (window_size,
-    min_group, kv_budget_tokens, ...) for every run."""
+    """Run everything; returns the JSON-ready report. `k`, `branches`: a value or a list of them,
+    each pair run with every speculative method. `options`: further EngineConfig fields
+    (window_size, min_group, kv_budget_tokens, ...) for every run."""
     ks = list(k) if isinstance(k, (list, tuple)) else [k]
-    runs = combos(names, batch_sizes, ks)
+    brs = list(branches) if isinstance(branches, (list, tuple)) else [branches]
+    runs = combos(names, batch_sizes, ks, brs)
     decoders: dict = {}
-    for method, batch, kk in tqdm(runs, desc="warm-up", disable=not progress, leave=False):
-        run_one(pair, prompts[:2], method, batch, kk, SamplingParams(max_new_tokens=8), proposer, options, decoders)
+    for method, batch, kk, br in tqdm(runs, desc="warm-up", disable=not progress, leave=False):
+        run_one(pair, prompts[:2], method, batch, kk, br, SamplingParams(max_new_tokens=8), proposer, options, decoders)
     samples: dict = {c: [] for c in runs}
     total = len(runs) * repeats
     with tqdm(total=total, desc="bench", disable=not progress, leave=False) as bar:
         for rep in range(repeats):
             for c in runs if rep % 2 == 0 else runs[::-1]:
-                bar.set_postfix_str(f"{c[0]} b={c[1]} k={c[2]}")
+                bar.set_postfix_str(f"{c[0]} b={c[1]} k={c[2]}" + (f" branches={c[3]}" if (c[3] or 1) > 1 else ""))
                 samples[c].append(run_one(pair, prompts, *c, params, proposer, options, decoders))
                 bar.update(1)
     name = next((s[0]["proposer"] for s in samples.values() if s[0]["proposer"]), None)  # ar has none
     drafter = {"draft": pair.draft, "eagle": pair.head}.get(model_proposer(name))  # a model to time
     has_draft = drafter is not None
     context = int(statistics.mean(len(p) for p in _encoded(pair, prompts)) + params.max_new_tokens / 2)
-    widths = max((EngineConfig(method=m, k=kk).k_max for m, _, kk in runs if kk is not None), default=0)
-    costs = cost_table(pair.target, drafter, sorted({b for _, b, _ in runs}), widths, context)
-    report_runs = [_summarise(m, b, kk, samples[(m, b, kk)], costs, has_draft) for m, b, kk in runs]
+    widths = max((EngineConfig(method=m, k=kk).k_max * br for m, _, kk, br in runs if kk is not None), default=0)
+    costs = cost_table(pair.target, drafter, sorted({c[1] for c in runs}), widths, context)
+    report_runs = [_summarise(*c, samples[c], costs, has_draft) for c in runs]
     _ratios(report_runs)
     _paired(report_runs, samples)
     return {
@@ -135,6 +137,7 @@ def bench(
         "machine": machine(pair),
         "models": pair.describe(),
         "k": ks,
+        "branches": brs,
         "max_new_tokens": params.max_new_tokens,
         "n_prompts": len(prompts),
         "repeats": repeats,
@@ -146,12 +149,12 @@ def _encoded(pair, prompts):
     return [pair.encode(p) for p in prompts]
 
 
-def _summarise(method, batch, k, samples, costs, has_draft) -> dict:
+def _summarise(method, batch, k, branches, samples, costs, has_draft) -> dict:
     """Median over repeats of throughput; the rest from the median run."""
     ordered = sorted(samples, key=lambda s: s["tokens_per_s"])
     mid = ordered[len(ordered) // 2]
     chosen = {int(n): c for n, c in mid["chosen_k_histogram"].items()}
-    sol = speed_of_light(costs, method, batch, chosen, mid["mean_tokens_per_step"], has_draft)
+    sol = speed_of_light(costs, method, batch, chosen, mid["mean_tokens_per_step"], has_draft, branches or 1)
     keys = (
         "tokens_per_s",
         "decode_tokens_per_s",
@@ -175,7 +178,7 @@ def _summarise(method, batch, k, samples, costs, has_draft) -> dict:
         "speculation",
     )
     return (
-        {"method": method, "batch_size": batch, "k": k}
+        {"method": method, "batch_size": batch, "k": k, "branches": branches}
         | {key: mid[key] for key in keys if key in mid}
         | {
             "tokens_per_s_repeats": [s["tokens_per_s"] for s in samples],
@@ -187,26 +190,26 @@ def _summarise(method, batch, k, samples, costs, has_draft) -> dict:
 
 def _ratios(runs: list[dict]) -> None:
     ar = {r["batch_size"]: r["tokens_per_s"] for r in runs if r["method"] == methods.PLAIN_BASELINE}
-    spec1 = {r["k"]: r["tokens_per_s"] for r in runs if r["method"] == methods.SPEC_BASELINE}
+    spec1 = {(r["k"], r["branches"]): r["tokens_per_s"] for r in runs if r["method"] == methods.SPEC_BASELINE}
     for r in runs:
         r["vs_ar"] = r["tokens_per_s"] / ar[r["batch_size"]] if r["batch_size"] in ar else None
-        base = spec1.get(r["k"]) or next(iter(spec1.values()), None)  # spec1 at the same k, if run
+        base = spec1.get((r["k"], r["branches"])) or next(iter(spec1.values()), None)  # same k and branches
         r["vs_spec1"] = r["tokens_per_s"] / base if base else None
 
 
 def _paired(runs: list[dict], samples: dict) -> None:
     """Per-repeat ratios (runs of one repeat ran side by side), their median: `vs_ar_paired`, and
     for a k = "auto" run `auto_vs_best` (and each repeat's, `auto_vs_best_repeats`), against the
-    best of `ar` and the same method's fixed ks at the same batch size."""
+    best of `ar` and the same method's fixed ks (any branches) at the same batch size."""
     rates = {c: [s["tokens_per_s"] for s in v] for c, v in samples.items()}
     for r in runs:
-        mine, batch = rates[(r["method"], r["batch_size"], r["k"])], r["batch_size"]
-        ar = rates.get((methods.PLAIN_BASELINE, batch, None))
+        mine, batch = rates[(r["method"], r["batch_size"], r["k"], r["branches"])], r["batch_size"]
+        ar = rates.get((methods.PLAIN_BASELINE, batch, None, None))
         r["vs_ar_paired"] = statistics.median(_ratios_per_repeat(mine, [ar])) if ar else None
         if r["k"] == "auto":
             rivals = [
                 v
-                for (m, b, k), v in rates.items()
+                for (m, b, k, _), v in rates.items()
                 if b == batch and k != "auto" and m in (methods.PLAIN_BASELINE, r["method"])
             ]
             each = _ratios_per_repeat(mine, rivals) if rivals else None
@@ -243,7 +246,7 @@ def machine(pair) -> dict:
 
 def table(report: dict) -> str:
     head = (
-        f"{'method':<9}{'B':>4}{'k':>5}{'tok/s':>9}{'decode':>9}{'tok/step':>9}{'vs ar':>7}{'vs spec1':>9}"
+        f"{'method':<9}{'B':>4}{'k':>7}{'tok/s':>9}{'decode':>9}{'tok/step':>9}{'vs ar':>7}{'vs spec1':>9}"
         f"{'SoL':>8}{'eff':>6}"
         f"{'draft':>7}{'verify':>7}{'realign':>8}{'sched':>7}{'prefill':>8}{'other':>7}"
     )
@@ -252,7 +255,7 @@ def table(report: dict) -> str:
     for r in report["runs"]:
         sh = r["time_share"]
         lines.append(
-            f"{r['method']:<9}{r['batch_size']:>4}{'-' if r['k'] is None else r['k']:>5}"
+            f"{r['method']:<9}{r['batch_size']:>4}{setting(r):>7}"
             f"{r['tokens_per_s']:>9.1f}{r['decode_tokens_per_s']:>9.1f}"
             f"{r['mean_tokens_per_step']:>9.2f}{fmt(r['vs_ar'], '>7.2f')}{fmt(r['vs_spec1'], '>9.2f')}"
             f"{r['speed_of_light_tokens_per_s']:>8.1f}{r['efficiency']:>6.2f}"
@@ -265,10 +268,17 @@ def table(report: dict) -> str:
         if r.get("auto_vs_best") is not None:
             each = ", ".join(f"{x:.2f}" for x in r["auto_vs_best_repeats"])
             lines.append(
-                f"{r['method']} -k auto at B = {r['batch_size']}: {r['auto_vs_best']:.2f} x the best of ar and its "
-                f"fixed k (median over repeats of side-by-side ratios: {each})"
+                f"{r['method']} -k {setting(r)} at B = {r['batch_size']}: {r['auto_vs_best']:.2f} x the best of ar "
+                f"and its fixed k (median over repeats of side-by-side ratios: {each})"
             )
     return "\n".join(lines)
+
+
+def setting(run: dict) -> str:
+    """A run's k, then "/C" for a draft tree of C branches ("-" for plain decoding)."""
+    if run["k"] is None:
+        return "-"
+    return f"{run['k']}" + (f"/{run['branches']}" if (run.get("branches") or 1) > 1 else "")
 
 
 def plot(report: dict, path: str) -> None:
@@ -280,9 +290,9 @@ def plot(report: dict, path: str) -> None:
 
     runs = report["runs"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for method, k in dict.fromkeys((r["method"], r["k"]) for r in runs):
-        rs = [r for r in runs if (r["method"], r["k"]) == (method, k)]
-        name = method if k is None else f"{method} k={k}"
+    for method, k in dict.fromkeys((r["method"], setting(r)) for r in runs):
+        rs = [r for r in runs if (r["method"], setting(r)) == (method, k)]
+        name = method if k == "-" else f"{method} k={k}"
         if not methods.get(method).batched:
             left.axhline(rs[0]["tokens_per_s"], linestyle="--", color="gray", label=f"{name} (one at a time)")
         else:
@@ -294,7 +304,7 @@ def plot(report: dict, path: str) -> None:
     left.set(xlabel="batch size", ylabel="tokens/s (prefill included)", title="Throughput", ylim=(0, None))
     left.legend(fontsize=8, loc="best")
     stages = ("prefill", "draft", "verify", "accept", "realign", "schedule", "other")
-    labels = [f"{r['method']}\nB={r['batch_size']}" + ("" if r["k"] is None else f" k={r['k']}") for r in runs]
+    labels = [f"{r['method']}\nB={r['batch_size']}" + ("" if r["k"] is None else f" k={setting(r)}") for r in runs]
     bottom = [0.0] * len(runs)
     for stage in stages:
         vals = [r["time_share"].get(stage, 0.0) for r in runs]

@@ -88,7 +88,11 @@ def _decode_options(p: argparse.ArgumentParser, one_method: bool) -> None:
     else:
         g.add_argument("-k", default="auto", help=K_HELP + "; a comma-separated list runs each value (bench)")
     g.add_argument("--proposer", choices=list(PROPOSERS), help=PROPOSER_HELP)
-    g.add_argument("--branches", type=int, default=1, help=BRANCHES_HELP)
+    if one_method:
+        g.add_argument("--branches", type=int, default=1, help=BRANCHES_HELP)
+    else:
+        list_help = BRANCHES_HELP + "; a comma-separated list runs each value (bench)"
+        g.add_argument("--branches", default="1", help=list_help)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -251,11 +255,12 @@ def comparison_inputs(args):
     params = sampling_params(args)
     names = parse_list(args.methods, str, "--methods")
     batch_sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
-    ks = k_values(args.k)
+    ks, brs = k_values(args.k), branch_values(args.branches)
     for method in names:
         for batch in batch_sizes:
             for k in ks:
-                EngineConfig(method=method, batch_size=batch, **(engine_options(args) | {"k": k}))
+                for c in brs:
+                    EngineConfig(method=method, batch_size=batch, **(engine_options(args) | {"k": k, "branches": c}))
     prompts = [p.text for p in load_prompts(args)]
     return params, names, batch_sizes, prompts, load_models(args)
 
@@ -336,8 +341,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    if len(k_values(args.k)) > 1:
-        raise BatchspecError("verify takes one -k value (bench takes a list)")
+    if len(k_values(args.k)) > 1 or len(branch_values(args.branches)) > 1:
+        raise BatchspecError("verify takes one -k and one --branches value (bench takes lists)")
     params, names, batch_sizes, prompts, pair = comparison_inputs(args)
     report = equivalence.verify(
         pair,
@@ -347,7 +352,7 @@ def cmd_verify(args) -> int:
         params,
         chat_template=not args.no_chat_template,
         progress=not args.quiet,
-        **(engine_options(args) | {"k": k_values(args.k)[0]}),
+        **(engine_options(args) | {"k": k_values(args.k)[0], "branches": branch_values(args.branches)[0]}),
     )
     print(equivalence.table(report))
     for line in equivalence.divergence_lines(report):
@@ -363,7 +368,7 @@ def cmd_bench(args) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise BatchspecError("--plot needs matplotlib: pip install 'batchspec[plot]'")
     params, names, batch_sizes, prompts, pair = comparison_inputs(args)
-    options = engine_options(args) | {"k": k_values(args.k)}
+    options = engine_options(args) | {"k": k_values(args.k), "branches": branch_values(args.branches)}
     report = bench.bench(
         pair, prompts, names, batch_sizes, params, repeats=args.repeats, progress=not args.quiet, **options
     )
@@ -392,6 +397,11 @@ def k_values(text: str) -> list:
         return parse_list(str(text), k_value, "-k")
     except argparse.ArgumentTypeError as err:
         raise BatchspecError(f"-k: {err}") from None
+
+
+def branch_values(text: str) -> list[int]:
+    """--branches for comparisons: '1' or '1,3' (range checks are EngineConfig's)."""
+    return parse_list(str(text), int, "--branches")
 
 
 def parse_list(text: str, kind, flag: str) -> list:

@@ -33,17 +33,23 @@ def cost_table(target, draft, batch_sizes: list[int], k_max: int, context: int) 
 
 
 def speed_of_light(
-    table: dict, method: str, batch: int, chosen_k: dict[int, int], tokens_per_step: float, has_draft: bool
+    table: dict,
+    method: str,
+    batch: int,
+    chosen_k: dict[int, int],
+    tokens_per_step: float,
+    has_draft: bool,
+    branches: int = 1,
 ) -> float:
     """Decode tokens/s of a full batch with zero overhead, at the measured tokens per step. With
     varying k (`auto`) each step is charged at the k its rows verified, weighted by the measured
-    histogram `chosen_k` {k: row steps}."""
+    histogram `chosen_k` {k: row steps}; a draft tree feeds 1 + k * branches columns."""
     target = table["target"][batch]
     if not methods.get(method).speculative or not chosen_k:
         return batch / target[1]
     total = sum(chosen_k.values())
     step = sum(
-        n / total * ((k * table["draft"][batch][1] if has_draft else 0.0) + target[min(k + 1, max(target))])
+        n / total * ((k * table["draft"][batch][1] if has_draft else 0.0) + target[min(1 + k * branches, max(target))])
         for k, n in chosen_k.items()
     )
     return batch * tokens_per_step / step
