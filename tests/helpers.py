@@ -18,6 +18,15 @@ def random_prompts(seed: int, n: int, lo: int = 1, hi: int = 64, vocab: int = 25
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+def decode_checked(pair, prompts, params, proposer: str = "eagle", policy=None, **config):
+    """(token ids per prompt, stats) of one decoder with the invariant checker on; `policy`
+    replaces its speculation policy (how many drafts each step verifies)."""
+    dec = SpecDecoder(pair, proposer=proposer, check_invariants=True, **config)
+    if policy is not None:
+        dec.speculation = policy
+    return [o.token_ids for o in dec.generate(prompts, params)], dec.stats
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import random_prompts, reference_tokens
+from helpers import decode_checked, random_prompts, reference_tokens
 from hypothesis import given
 from hypothesis import strategies as st
 from test_speculation import RandomK
@@ -28,13 +28,6 @@ def one_layer():
     return tiny_pair(layers=1, dtype=torch.float64)
 
 
-def _decode(pair, prompts, params, policy=None, **config):
-    dec = SpecDecoder(pair, proposer="eagle", check_invariants=True, **config)
-    if policy is not None:
-        dec.speculation = policy
-    return [o.token_ids for o in dec.generate(prompts, params)], dec.stats
-
-
 @given(
     seed=st.integers(0, 10**6),
     n=st.integers(1, 7),
@@ -44,14 +37,15 @@ def _decode(pair, prompts, params, policy=None, **config):
 )
 def test_head_equals_reference(one_layer, seed, n, batch, k, method):
     prompts = random_prompts(seed, n, 1, 48)
-    got, stats = _decode(one_layer, prompts, SamplingParams(max_new_tokens=24), method=method, batch_size=batch, k=k)
+    params = SamplingParams(max_new_tokens=24)
+    got, stats = decode_checked(one_layer, prompts, params, method=method, batch_size=batch, k=k)
     assert got == reference_tokens(one_layer, prompts, 24)
 
 
 def test_head_accepts_drafts(one_layer):
     """The property test above covers acceptance: this head accepts some drafts, not all."""
     prompts = random_prompts(3, 6, 1, 40)
-    _, stats = _decode(one_layer, prompts, SamplingParams(max_new_tokens=32), method="ragged", batch_size=3, k=4)
+    _, stats = decode_checked(one_layer, prompts, SamplingParams(max_new_tokens=32), method="ragged", batch_size=3, k=4)
     hist = stats.summary()["accepted_histogram"]
     assert int(hist.get("0", hist.get(0, 0))) > 0 and int(hist.get("4", hist.get(4, 0))) > 0, hist
 
@@ -60,9 +54,8 @@ def test_head_accepts_drafts(one_layer):
 def test_any_choice_of_k_per_step_equals_reference(one_layer, seed, method, batch):
     """Plain steps (the head lags and catches up), early stops, verify widths: all exact."""
     prompts = random_prompts(seed, 5, 1, 40)
-    got, _ = _decode(
-        one_layer, prompts, SamplingParams(max_new_tokens=24), RandomK(seed), method=method, batch_size=batch, k=5
-    )
+    params = SamplingParams(max_new_tokens=24)
+    got, _ = decode_checked(one_layer, prompts, params, policy=RandomK(seed), method=method, batch_size=batch, k=5)
     assert got == reference_tokens(one_layer, prompts, 24)
 
 
@@ -72,14 +65,14 @@ def test_seeded_sampling_equals_reference(one_layer, method):
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_new_tokens=20) for s in range(5)]
     ref = [o.token_ids for o in SpecDecoder(one_layer, method="reference").generate(prompts, params)]
     for k in (3, "auto"):
-        got, _ = _decode(one_layer, prompts, params, method=method, batch_size=3, k=k)
+        got, _ = decode_checked(one_layer, prompts, params, method=method, batch_size=3, k=k)
         assert got == ref
 
 
 def test_two_layer_target_and_auto(tiny64):
     """The default tiny pair's head (a poor predictor of a 2-layer target) with `-k auto`."""
     prompts = random_prompts(5, 6, 1, 60)
-    got, _ = _decode(tiny64, prompts, SamplingParams(max_new_tokens=16), method="ragged", batch_size=4, k="auto")
+    got, _ = decode_checked(tiny64, prompts, SamplingParams(max_new_tokens=16), method="ragged", batch_size=4, k="auto")
     assert got == reference_tokens(tiny64, prompts, 16)
 
 
@@ -93,7 +86,7 @@ def test_checker_sees_a_head_fed_the_wrong_features(one_layer, monkeypatch):
 
     monkeypatch.setattr(Features, "read", stale)
     with pytest.raises(InvariantError, match="draft row"):
-        _decode(one_layer, random_prompts(1, 3, 5, 20), SamplingParams(max_new_tokens=12), method="ragged", k=3)
+        decode_checked(one_layer, random_prompts(1, 3, 5, 20), SamplingParams(max_new_tokens=12), method="ragged", k=3)
 
 
 def test_checker_sees_drafted_entries_kept(one_layer, monkeypatch):
@@ -102,7 +95,7 @@ def test_checker_sees_drafted_entries_kept(one_layer, monkeypatch):
 
     monkeypatch.setattr(RaggedBatch, "rewind", lambda self, role, mark: None)
     with pytest.raises(InvariantError, match="draft row"):
-        _decode(one_layer, random_prompts(2, 3, 5, 20), SamplingParams(max_new_tokens=16), method="ragged", k=4)
+        decode_checked(one_layer, random_prompts(2, 3, 5, 20), SamplingParams(max_new_tokens=16), method="ragged", k=4)
 
 
 def test_features_store_positions_and_pads():

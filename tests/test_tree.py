@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_prompts, reference_tokens
+from helpers import decode_checked, random_prompts, reference_tokens
 from hypothesis import given
 from hypothesis import strategies as st
 from test_speculation import RandomK
@@ -109,13 +109,6 @@ def test_restrict_padded_and_slot_masks():
     ]
 
 
-def _decode(pair, prompts, params, proposer="eagle", policy=None, **config):
-    dec = SpecDecoder(pair, proposer=proposer, check_invariants=True, **config)
-    if policy is not None:
-        dec.speculation = policy
-    return [o.token_ids for o in dec.generate(prompts, params)], dec.stats
-
-
 @given(
     seed=st.integers(0, 10**6),
     n=st.integers(1, 6),
@@ -126,7 +119,7 @@ def _decode(pair, prompts, params, proposer="eagle", policy=None, **config):
 )
 def test_head_tree_equals_reference(one_layer, seed, n, batch, k, c, method):
     prompts = random_prompts(seed, n, 1, 48)
-    got, _ = _decode(
+    got, _ = decode_checked(
         one_layer, prompts, SamplingParams(max_new_tokens=24), method=method, batch_size=batch, k=k, branches=c
     )
     assert got == reference_tokens(one_layer, prompts, 24)
@@ -135,7 +128,7 @@ def test_head_tree_equals_reference(one_layer, seed, n, batch, k, c, method):
 @given(seed=st.integers(0, 10**6), method=st.sampled_from(METHODS), proposer=st.sampled_from(["draft", "ngram+eagle"]))
 def test_draft_and_lookup_first_trees_equal_reference(tiny64, seed, method, proposer):
     prompts = random_prompts(seed, 5, 1, 40)
-    got, _ = _decode(
+    got, _ = decode_checked(
         tiny64, prompts, SamplingParams(max_new_tokens=20), proposer, method=method, batch_size=3, k=3, branches=3
     )
     assert got == reference_tokens(tiny64, prompts, 20)
@@ -146,7 +139,8 @@ def test_any_choice_of_k_per_step_with_a_tree(one_layer, seed, method):
     """Plain steps, early stops and per-row limits cut the tree at each row's depth: still exact."""
     prompts = random_prompts(seed, 5, 1, 40)
     params = SamplingParams(max_new_tokens=24)
-    got, _ = _decode(one_layer, prompts, params, policy=RandomK(seed), method=method, batch_size=3, k=5, branches=2)
+    policy = RandomK(seed)
+    got, _ = decode_checked(one_layer, prompts, params, policy=policy, method=method, batch_size=3, k=5, branches=2)
     assert got == reference_tokens(one_layer, prompts, 24)
 
 
@@ -154,8 +148,8 @@ def test_leaves_add_tokens(one_layer):
     """Leaves are kept (the tests above exercise them) and a step yields more with them."""
     prompts = random_prompts(3, 6, 1, 40)
     params = SamplingParams(max_new_tokens=32)
-    _, chain = _decode(one_layer, prompts, params, method="ragged", batch_size=3, k=4)
-    _, tree = _decode(one_layer, prompts, params, method="ragged", batch_size=3, k=4, branches=3)
+    _, chain = decode_checked(one_layer, prompts, params, method="ragged", batch_size=3, k=4)
+    _, tree = decode_checked(one_layer, prompts, params, method="ragged", batch_size=3, k=4, branches=3)
     assert tree.extra["leaf_tokens"] > 0
     assert tree.summary()["mean_tokens_per_step"] > chain.summary()["mean_tokens_per_step"]
 
@@ -166,7 +160,7 @@ def test_seeded_sampling_with_a_tree_equals_reference(one_layer, method):
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_new_tokens=20) for s in range(5)]
     ref = [o.token_ids for o in SpecDecoder(one_layer, method="reference").generate(prompts, params)]
     for k in (3, "auto"):
-        got, _ = _decode(one_layer, prompts, params, method=method, batch_size=3, k=k, branches=3)
+        got, _ = decode_checked(one_layer, prompts, params, method=method, batch_size=3, k=k, branches=3)
         assert got == ref
 
 
@@ -176,7 +170,7 @@ def test_checker_sees_a_leaf_left_in_place(one_layer, monkeypatch, method, layou
     chain's rejected draft there: the invariant checker must say so."""
     monkeypatch.setattr(layout, "keep_path", lambda self, role, nodes, index: None)
     with pytest.raises(InvariantError, match="target row"):
-        _decode(
+        decode_checked(
             one_layer,
             random_prompts(0, 5, 1, 48),
             SamplingParams(max_new_tokens=24),
