@@ -59,13 +59,14 @@ def test_any_choice_of_k_per_step_equals_reference(one_layer, seed, method, batc
     assert got == reference_tokens(one_layer, prompts, 24)
 
 
+@pytest.mark.parametrize("branches", [1, 3])  # 3: a draft tree (tree.py)
 @pytest.mark.parametrize("method", METHODS)
-def test_seeded_sampling_equals_reference(one_layer, method):
+def test_seeded_sampling_equals_reference(one_layer, method, branches):
     prompts = random_prompts(8, 5, 1, 30)
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_new_tokens=20) for s in range(5)]
     ref = [o.token_ids for o in SpecDecoder(one_layer, method="reference").generate(prompts, params)]
     for k in (3, "auto"):
-        got, _ = decode_checked(one_layer, prompts, params, method=method, batch_size=3, k=k)
+        got, _ = decode_checked(one_layer, prompts, params, method=method, batch_size=3, k=k, branches=branches)
         assert got == ref
 
 
