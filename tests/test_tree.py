@@ -1,6 +1,6 @@
 """Draft trees (`--branches C`): acceptance against a plain walk of the tree, the tree forward's
 mask and positions, and every method equal to `reference` with the head's and the draft's
-alternatives verified as leaves (greedy, seeded sampling, any k per step), with the invariant
+alternatives verified as leaves (greedy, any k per step; seeded sampling: test_eagle.py), with the invariant
 checker on after every step."""
 
 from __future__ import annotations
