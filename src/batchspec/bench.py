@@ -119,7 +119,7 @@ def bench(
     with tqdm(total=total, desc="bench", disable=not progress, leave=False) as bar:
         for rep in range(repeats):
             for c in runs if rep % 2 == 0 else runs[::-1]:
-                bar.set_postfix_str(f"{c[0]} b={c[1]} k={c[2]}" + (f" branches={c[3]}" if (c[3] or 1) > 1 else ""))
+                bar.set_postfix_str(f"{c[0]} b={c[1]} k={setting({'k': c[2], 'branches': c[3]})}")
                 samples[c].append(run_one(pair, prompts, *c, params, proposer, options, decoders))
                 bar.update(1)
     name = next((s[0]["proposer"] for s in samples.values() if s[0]["proposer"]), None)  # ar has none
