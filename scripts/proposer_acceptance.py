@@ -6,7 +6,8 @@ and overall, and exactness against `reference` on the first prompt of each categ
 of one proposer forward against one target forward at batch 1 (one token over 300 cached).
 
     python scripts/proposer_acceptance.py --prompts ../shared/data/spec_bench/question.jsonl \\
-        [--proposers ngram,draft,eagle,eagle/3] [--k 4] [--per-category 5] [--max-new-tokens 64] [--json OUT]
+        [--proposers ngram,draft,eagle,eagle/3] [--k 4] [--per-category 5] [--max-new-tokens 64] [--json OUT] \\
+        [--head WEIGHTS.safetensors]   # another head than the shipped one (scripts/train_eagle.py --out)
 
 A proposer written NAME/C verifies a draft tree of C candidates per position (`--branches C`).
 """
@@ -19,6 +20,8 @@ import time
 
 from batchspec import SamplingParams, SpecDecoder, load_pair
 from batchspec.costs import forward_seconds
+from batchspec.eagle import load_head
+from batchspec.linears import tune_linears
 from batchspec.prompts import by_category
 
 
@@ -31,8 +34,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--head", default=None, help="draft head weights (default: the shipped head)")
     args = ap.parse_args()
     pair = load_pair("default", dtype=args.dtype)
+    if args.head:
+        pair.head = load_head(pair.target, pair.target.dtype, path=args.head)
+        tune_linears(pair.head)  # as load_pair does
     cats = by_category(args.prompts, args.per_category)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     firsts = [p[0] for p in cats.values()]

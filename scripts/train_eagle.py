@@ -7,6 +7,7 @@
    topics, never Spec-Bench prompts; the target answers them and its final hidden states, the
    features, are kept), plus --self-instruct requests the target writes itself and then answers
    (train_draft/selfinstruct.py). Cached at --data and --self-data; a run with both skips generation.
+   `--data none` trains on the self-instruct corpus alone (fine-tuning a trained head, --init-from).
 2. vocabulary: the 8,192 most frequent tokens of the training split (train_draft/vocab.py).
 3. head: fc + one Llama layer initialised from the target's last layer, the final norm from the
    target's; the embedding and the LM head rows are the target's (shared, frozen, not stored).
@@ -65,7 +66,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--pair", default="default", choices=("default", "tiny"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--data", default="/tmp/batchspec_draft/data.pt", help="cache of the generated data")
+    ap.add_argument(
+        "--data", default="/tmp/batchspec_draft/data.pt", help="cache of the templated corpus ('none': without it)"
+    )
     ap.add_argument("--self-data", default="/tmp/batchspec_draft/selfinstruct.pt", help="cache of the second corpus")
     ap.add_argument("--self-instruct", type=int, default=1024, help="requests the target writes (0: none)")
     ap.add_argument("--request-tokens", type=int, default=64, help="longest request the target writes")
@@ -268,9 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     random.seed(args.seed)
     wall = time.time()
     args.data_only = False
-    data = answers.build_data(args)
+    data = {"records": []} if args.data == "none" else answers.build_data(args)
     extra = selfinstruct.build(args) if args.self_instruct else {"records": [], "requests": []}
-    train_recs, val_recs = pipeline.split(data["records"], args.val_frac, args.seed)
+    train_recs, val_recs = pipeline.split(data["records"], args.val_frac, args.seed) if data["records"] else ([], [])
     self_train, self_val = pipeline.split(extra["records"], args.val_frac, args.seed) if extra["records"] else ([], [])
     train_recs = train_recs + self_train
     pair = load_pair(args.pair, dtype="float32", device="cpu")
@@ -282,10 +285,13 @@ def main(argv: list[str] | None = None) -> None:
         forced = vocab.forced_ids(pair.tokenizer, pair.eos_ids)
         vocab_ids = vocab.choose_vocab(train_recs, min(args.vocab, pair.vocab_size), forced, pair.vocab_size)
         head = init_head(pair.target, vocab_ids, args.init_layer % pair.target.config.num_hidden_layers)
-    before = evaluate(head, val_recs[: args.eval_records], args.k)
+    # before/history: the first eval_records greedy answers held out (the templated corpus's if any)
+    watched = [r for r in val_recs or self_val if r["temperature"] == 0]
+    before = evaluate(head, watched[: args.eval_records], args.k)
     LOG.info(f"before training: {before}")
-    info = train(head, train_recs, val_recs, args, pair.pad_id)
-    after = {"templated": evaluate(head, val_recs, args.k), "self_instruct": evaluate(head, self_val, args.k)}
+    info = train(head, train_recs, watched, args, pair.pad_id)
+    held_out = {"templated": val_recs, "self_instruct": self_val}
+    after = {name: evaluate(head, recs, args.k) for name, recs in held_out.items() if recs}
     LOG.info(f"after training: {after}")
     meta = {
         "target": pipeline.TARGET_NAMES.get(args.pair, args.pair),
@@ -304,16 +310,16 @@ def main(argv: list[str] | None = None) -> None:
             "sequences": len(data["records"]) + len(extra["records"]),
             "tokens": sum(len(r["tokens"]) for r in data["records"] + extra["records"]),
             "generation_s": round(data.get("gen_s", 0.0) + extra.get("gen_s", 0.0), 1),
-            "prompts": "scripts/train_draft/prompts.json templates x topics, and requests the target wrote "
-            "from train_draft/selfinstruct.py's kinds; no Spec-Bench prompts",
+            "prompts": ("scripts/train_draft/prompts.json templates x topics, and " if data["records"] else "")
+            + "requests the target wrote from train_draft/selfinstruct.py's kinds; no Spec-Bench prompts",
             "self_instruct_requests": len(extra["requests"]),
         },
         "validation": {
             "k": args.k,
             "held_out_answers": {"templated": len(val_recs), "self_instruct": len(self_val)},
-            "before (first eval_records)": before,
+            "before (first eval_records greedy answers)": before,
             "after": after,
-            "history (first eval_records)": info["history"],
+            "history (first eval_records greedy answers)": info["history"],
         },
         "command": args.command,
         "wall_time_s": round(time.time() - wall, 1),

@@ -78,10 +78,14 @@ def test_train_eagle_tiny_end_to_end(tmp_path):
     assert [o.token_ids for o in dec.generate(prompts, params)] == ref
 
     # --init-from: fine-tuning starts from these weights and keeps their vocabulary (at lr 0 the
-    # weights come back unchanged, through the bf16 round trip)
+    # weights come back unchanged, through the bf16 round trip); --data none: self-instruct data only
     tuned = tmp_path / "tuned.safetensors"
     args[args.index("--out") + 1], args[args.index("--steps") + 1] = str(tuned), "1"
+    args[args.index("--data") + 1] = "none"
     run_script("train_eagle.py", *args, "--init-from", str(out), "--lr", "0")
-    assert json.loads((tmp_path / "tuned.json").read_text(encoding="utf-8"))["training"]["init_from"] == str(out)
+    tuned_meta = json.loads((tmp_path / "tuned.json").read_text(encoding="utf-8"))
+    assert tuned_meta["training"]["init_from"] == str(out)
+    assert tuned_meta["data"]["sequences"] == len(extra["records"])
+    assert tuned_meta["validation"]["held_out_answers"]["templated"] == 0
     first, second = load_file(str(out)), load_file(str(tuned))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)

@@ -38,6 +38,12 @@ KINDS = [
     ("qa", "a short factual question about {t} with a one-sentence answer"),
     ("math_reasoning", "a grade-school math word problem about {n1} and some {it}"),
     (
+        "translation",
+        "a request to translate two or three sentences about {t} from English into French, German or Spanish, "
+        "including the sentences",
+    ),
+    ("summarization", "a request to summarize a short paragraph about {t}, including the paragraph"),
+    (
         "extraction",
         "a request to extract names, dates and numbers from a short news paragraph about {t}, including the paragraph",
     ),
