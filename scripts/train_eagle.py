@@ -219,13 +219,18 @@ def simulate(head: EagleHead, record: dict, k: int) -> tuple[int, int]:
     return accepted, steps
 
 
+def greedy_answers(records: list[dict]) -> list[dict]:
+    """The records the simulation replays: greedy answers of two tokens or more."""
+    return [r for r in records if r["temperature"] == 0 and len(r["tokens"]) - r["n_prompt"] > 1]
+
+
 def evaluate(head: EagleHead, records: list[dict], k: int) -> dict:
+    """Mean accepted drafts per step over the greedy answers among `records` (`simulate`)."""
     head.eval()
     accepted = steps = 0
-    for r in records:
-        if r["temperature"] == 0 and len(r["tokens"]) - r["n_prompt"] > 1:
-            a, s = simulate(head, r, k)
-            accepted, steps = accepted + a, steps + s
+    for r in greedy_answers(records):
+        a, s = simulate(head, r, k)
+        accepted, steps = accepted + a, steps + s
     return {"sim_accepted": round(accepted / max(steps, 1), 3)}
 
 
@@ -273,8 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     args.data_only = False
     data = {"records": []} if args.data == "none" else answers.build_data(args)
     extra = selfinstruct.build(args) if args.self_instruct else {"records": [], "requests": []}
-    train_recs, val_recs = pipeline.split(data["records"], args.val_frac, args.seed) if data["records"] else ([], [])
-    self_train, self_val = pipeline.split(extra["records"], args.val_frac, args.seed) if extra["records"] else ([], [])
+    train_recs, val_recs = pipeline.split(data["records"], args.val_frac, args.seed)
+    self_train, self_val = pipeline.split(extra["records"], args.val_frac, args.seed)
     train_recs = train_recs + self_train
     pair = load_pair(args.pair, dtype="float32", device="cpu")
     if args.init_from:  # fine-tuning: the weights and the vocabulary of a trained head
@@ -286,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         vocab_ids = vocab.choose_vocab(train_recs, min(args.vocab, pair.vocab_size), forced, pair.vocab_size)
         head = init_head(pair.target, vocab_ids, args.init_layer % pair.target.config.num_hidden_layers)
     # before/history: the first eval_records greedy answers held out (the templated corpus's if any)
-    watched = [r for r in val_recs or self_val if r["temperature"] == 0]
+    watched = greedy_answers(val_recs or self_val)
     before = evaluate(head, watched[: args.eval_records], args.k)
     LOG.info(f"before training: {before}")
     info = train(head, train_recs, watched, args, pair.pad_id)
@@ -316,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         },
         "validation": {
             "k": args.k,
-            "held_out_answers": {"templated": len(val_recs), "self_instruct": len(self_val)},
+            "held_out_answers": {name: len(recs) for name, recs in held_out.items()},
             "before (first eval_records greedy answers)": before,
             "after": after,
             "history (first eval_records greedy answers)": info["history"],

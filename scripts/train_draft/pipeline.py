@@ -25,9 +25,9 @@ COVERAGE_SIZES = (2048, 4096, 8192, 16384)  # reduced vocabularies whose coverag
 
 
 def split(records: list[dict], val_frac: float, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train, val): a seeded random share `val_frac` of the records (at least one) is held out."""
+    """(train, val): a seeded random share `val_frac` of the records (at least one, if any) is held out."""
     rng = random.Random(seed)
-    val_idx = set(rng.sample(range(len(records)), max(1, round(val_frac * len(records)))))
+    val_idx = set(rng.sample(range(len(records)), min(len(records), max(1, round(val_frac * len(records))))))
     return [r for i, r in enumerate(records) if i not in val_idx], [r for i, r in enumerate(records) if i in val_idx]
 
 
