@@ -11,6 +11,9 @@
 2. vocabulary: the 8,192 most frequent tokens of the training split (train_draft/vocab.py).
 3. head: fc + one Llama layer initialised from the target's last layer, the final norm from the
    target's; the embedding and the LM head rows are the target's (shared, frozen, not stored).
+   `--aux-layers 1,14,26` fuses those target layers' outputs into the features (EAGLE-3); they are
+   extracted from the corpus's tokens in one target forward per batch (`add_aux`). Fine-tuning a
+   head without them (--init-from) starts their fc columns at zero: the same head at step 0.
 4. loss per position t, fed [x_t, f(t-1) + noise]: smooth-L1(predicted f_t, f_t) + cls_weight x
    cross-entropy of the head's reduced logits against the target's distribution (EAGLE's recipe).
 5. validation: held-out greedy answers, drafting k tokens per step as the engine does (true
@@ -43,7 +46,7 @@ import vocab  # noqa: E402
 
 from batchspec import kv  # noqa: E402
 from batchspec.draft import draft_config  # noqa: E402
-from batchspec.eagle import EAGLE_FILE, EagleHead, load_head, save_head, shifted  # noqa: E402
+from batchspec.eagle import EAGLE_FILE, EagleHead, decoder_features, load_head, save_head, shifted  # noqa: E402
 from batchspec.models import cpu_has_bf16, load_pair  # noqa: E402
 
 LOG = logging.getLogger("train_eagle")
@@ -58,6 +61,7 @@ TRAINING_KEYS = (
     "bf16",
     "gen_dtype",
     "init_from",
+    "aux_layers",
 )
 
 
@@ -85,6 +89,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--init-layer", type=int, default=-1, help="target layer the head's layer starts from")
     ap.add_argument("--init-from", default=None, help="fine-tune these head weights (keeps their vocabulary)")
     ap.add_argument(
+        "--aux-layers",
+        type=lambda text: tuple(sorted({int(x) for x in text.split(",") if x.strip()})),
+        default=(),
+        help="target layers whose outputs the features fuse, e.g. 1,14,26 (default: the final hidden state only)",
+    )
+    ap.add_argument("--aux-data", default=None, help="cache of the aux features (extracted once, ~22 min here)")
+    ap.add_argument(
         "--bf16",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -109,9 +120,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def init_head(target, vocab_ids: torch.Tensor, layer: int) -> EagleHead:
+def init_head(target, vocab_ids: torch.Tensor, layer: int, aux_layers: tuple[int, ...] = ()) -> EagleHead:
     """A float32 head: its layer copied from the target's `layer`, final norm from the target's."""
-    head = EagleHead(draft_config(target.config, 1), vocab_ids)
+    head = EagleHead(draft_config(target.config, 1), vocab_ids, aux_layers)
     with torch.no_grad():
         head.model.layers[0].load_state_dict(target.model.layers[layer].state_dict())
         head.model.norm.load_state_dict(target.model.norm.state_dict())
@@ -121,17 +132,82 @@ def init_head(target, vocab_ids: torch.Tensor, layer: int) -> EagleHead:
     return head
 
 
+def widen(head: EagleHead, aux_layers: tuple[int, ...]) -> EagleHead:
+    """A head reading `aux_layers` too that computes exactly what `head` does: fc's columns for the
+    new feature blocks start at zero."""
+    if aux_layers == head.aux:
+        return head
+    if head.aux:
+        raise SystemExit(f"--init-from reads aux layers {head.aux}; cannot change them to {aux_layers}")
+    wide = EagleHead(head.config, head.vocab_ids, aux_layers).to(head.dtype)
+    state = {k: v for k, v in head.state_dict().items() if k not in ("aux_layers", "fc.weight")}
+    wide.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        wide.fc.weight.zero_()
+        wide.fc.weight[:, : head.fc.weight.shape[1]] = head.fc.weight
+    wide.model.embed_tokens.weight = head.model.embed_tokens.weight
+    wide.head = head.head
+    return wide
+
+
+@torch.no_grad()
+def add_aux(records: list[dict], target, aux_layers: tuple[int, ...], batch_tokens: int = 8192) -> float:
+    """Store each record's aux features ("aux": bf16 [L-1, A H], beside "hidden") from one target
+    forward over its tokens (right-padded batches of similar length); seconds taken."""
+    start, width = time.time(), target.config.hidden_size
+    order = sorted(range(len(records)), key=lambda i: len(records[i]["tokens"]))
+    batches: list[list[int]] = [[]]
+    for i in order:  # ascending lengths: the newest is the batch's longest
+        if batches[-1] and (len(batches[-1]) + 1) * (len(records[i]["tokens"]) - 1) > batch_tokens:
+            batches.append([])
+        batches[-1].append(i)
+    for n, batch in enumerate(batches):
+        rows = [records[i] for i in batch]
+        ids = torch.zeros(len(rows), len(rows[-1]["tokens"]) - 1, dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, : len(r["tokens"]) - 1] = r["tokens"][:-1].long()
+        feats = decoder_features(target, aux_layers, input_ids=ids)[1][..., width:]
+        for b, r in enumerate(rows):
+            r["aux"] = feats[b, : len(r["tokens"]) - 1].to(torch.bfloat16).clone()
+        if n % 10 == 9 or n + 1 == len(batches):
+            LOG.info(f"aux features of layers {aux_layers}: batch {n + 1}/{len(batches)}, {time.time() - start:.0f} s")
+    return time.time() - start
+
+
+def cached_aux(records: list[dict], target, args) -> float:
+    """`add_aux`, read from --aux-data when it holds these records' features of these layers (else
+    extracted and written there); seconds of extraction (0 when read)."""
+    lengths = [len(r["tokens"]) - 1 for r in records]
+    if args.aux_data and os.path.exists(args.aux_data):
+        saved = torch.load(args.aux_data)
+        if saved["aux_layers"] == list(args.aux_layers) and [len(a) for a in saved["aux"]] == lengths:
+            LOG.info(f"loading cached aux features from {args.aux_data}")
+            for r, a in zip(records, saved["aux"]):
+                r["aux"] = a
+            return 0.0
+        LOG.info(f"{args.aux_data} holds other records or layers: extracting again")
+    seconds = add_aux(records, target, args.aux_layers)
+    if args.aux_data:
+        torch.save({"aux_layers": list(args.aux_layers), "aux": [r["aux"] for r in records]}, args.aux_data)
+    return seconds
+
+
+def record_features(r: dict) -> torch.Tensor:
+    """A record's features [L-1, F]: the final hidden states, then the aux layers' if extracted."""
+    return torch.cat([r["hidden"], r["aux"]], dim=-1) if "aux" in r else r["hidden"]
+
+
 def collate(records: list[dict], idx: list[int], max_len: int, pad_id: int):
-    """Right-padded ids [B, T], mask [B, T], target features [B, T, H] (position t's, t <= n - 2)."""
+    """Right-padded ids [B, T], mask [B, T], target features [B, T, F] (position t's, t <= n - 2)."""
     rows = [records[i] for i in idx]
     T = max(min(len(r["tokens"]) - 1, max_len) for r in rows)
-    H = rows[0]["hidden"].shape[1]
+    F_ = record_features(rows[0]).shape[1]
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), T, dtype=torch.long)
-    feats = torch.zeros(len(rows), T, H)
+    feats = torch.zeros(len(rows), T, F_)
     for b, r in enumerate(rows):
         n = min(len(r["tokens"]) - 1, max_len)
-        ids[b, :n], mask[b, :n], feats[b, :n] = r["tokens"][:n].long(), 1, r["hidden"][:n].float()
+        ids[b, :n], mask[b, :n], feats[b, :n] = r["tokens"][:n].long(), 1, record_features(r)[:n].float()
     return ids, mask, feats
 
 
@@ -143,10 +219,11 @@ def head_loss(head: EagleHead, ids, mask, feats, noise: float, cls_weight: float
         inputs = inputs + noise * (torch.rand_like(inputs) * 2 - 1)
     pred = head.hidden(ids, inputs, attention_mask=mask)  # [B, T, H]
     sel = mask.bool()
-    loss, info = _position_loss(head, pred[sel].float(), feats[sel], cls_weight)
+    final = feats[..., : head.config.hidden_size][sel]  # what the head predicts: the final hidden state
+    loss, info = _position_loss(head, pred[sel].float(), final, cls_weight)
     if second:
         pred2 = second_step(head, ids, inputs, shifted(pred))
-        loss2, info2 = _position_loss(head, pred2[sel].float(), feats[sel], cls_weight)
+        loss2, info2 = _position_loss(head, pred2[sel].float(), final, cls_weight)
         loss, info["agree2"] = loss + second * loss2, info2["agree"]
     return loss, info
 
@@ -169,7 +246,7 @@ def second_step(head: EagleHead, ids, true_in, own_in):
     emb = F.embedding(ids, head.model.embed_tokens.weight)
     T = ids.shape[1]
     pos = torch.arange(T)[None].expand(ids.shape[0], T)
-    x1, x2 = head.fc(torch.cat([emb, true_in], -1)), head.fc(torch.cat([emb, own_in], -1))
+    x1, x2 = head.fc_input(emb, true_in), head.fc_input(emb, own_in)
     cos, sin = head.model.rotary_emb(x1, pos)
 
     def qkv(x):
@@ -196,7 +273,7 @@ def second_step(head: EagleHead, ids, true_in, own_in):
 def simulate(head: EagleHead, record: dict, k: int) -> tuple[int, int]:
     """(accepted drafts, steps) of greedy speculative decoding over one greedy answer with the
     head drafting as the engine does: true features up to the last committed token, then its own."""
-    tokens, feats, n0 = record["tokens"].long(), record["hidden"].float(), record["n_prompt"]
+    tokens, feats, n0 = record["tokens"].long(), record_features(record).float(), record["n_prompt"]
     cache = kv.reference_cache(head.config)
     n = n0  # tokens 0..n are committed (token n0 came from the prefill); the head has fed 0..done-1
     done, accepted, steps = 0, 0, 0
@@ -283,13 +360,15 @@ def main(argv: list[str] | None = None) -> None:
     train_recs = train_recs + self_train
     pair = load_pair(args.pair, dtype="float32", device="cpu")
     if args.init_from:  # fine-tuning: the weights and the vocabulary of a trained head
-        head = load_head(pair.target, torch.float32, args.init_from)
+        head = widen(load_head(pair.target, torch.float32, args.init_from), args.aux_layers)
         head.model.embed_tokens.weight.requires_grad_(False)
         vocab_ids = head.vocab_ids
     else:
         forced = vocab.forced_ids(pair.tokenizer, pair.eos_ids)
         vocab_ids = vocab.choose_vocab(train_recs, min(args.vocab, pair.vocab_size), forced, pair.vocab_size)
-        head = init_head(pair.target, vocab_ids, args.init_layer % pair.target.config.num_hidden_layers)
+        layer = args.init_layer % pair.target.config.num_hidden_layers
+        head = init_head(pair.target, vocab_ids, layer, args.aux_layers)
+    aux_s = cached_aux(data["records"] + extra["records"], pair.target, args) if args.aux_layers else 0.0
     # before/history: the first eval_records greedy answers held out (the templated corpus's if any)
     watched = greedy_answers(val_recs or self_val)
     before = evaluate(head, watched[: args.eval_records], args.k)
@@ -301,7 +380,9 @@ def main(argv: list[str] | None = None) -> None:
     meta = {
         "target": pipeline.TARGET_NAMES.get(args.pair, args.pair),
         "architecture": {
-            "input": "fc([target embedding of token t, target final hidden state at t-1])",
+            "input": "fc([target embedding of token t, target final hidden state at t-1"
+            + (f", RMS-normalised outputs of target layers {list(args.aux_layers)} at t-1" if args.aux_layers else "")
+            + "])",
             "layers": 1,
             "init_from_target_layer": args.init_layer,
             "vocab_size_reduced": len(vocab_ids),
@@ -315,6 +396,7 @@ def main(argv: list[str] | None = None) -> None:
             "sequences": len(data["records"]) + len(extra["records"]),
             "tokens": sum(len(r["tokens"]) for r in data["records"] + extra["records"]),
             "generation_s": round(data.get("gen_s", 0.0) + extra.get("gen_s", 0.0), 1),
+            "aux_extraction_s": round(aux_s, 1),
             "prompts": ("scripts/train_draft/prompts.json templates x topics, and " if data["records"] else "")
             + "requests the target wrote from train_draft/selfinstruct.py's kinds; no Spec-Bench prompts",
             "self_instruct_requests": len(extra["requests"]),

@@ -42,6 +42,56 @@ def test_head_equals_reference(one_layer, seed, n, batch, k, method):
     assert got == reference_tokens(one_layer, prompts, 24)
 
 
+@pytest.fixture(scope="module")
+def fused():
+    """The 1-layer tiny pair with a head that also reads layer 0's output (fused features)."""
+    from batchspec.tiny import tiny_head
+
+    pair = tiny_pair(layers=1, dtype=torch.float64)
+    pair.head = tiny_head(pair.target, aux_layers=(0,), feature_mix=0.05)
+    return pair
+
+
+@given(
+    seed=st.integers(0, 10**6),
+    batch=st.integers(1, 4),
+    k=st.integers(1, 5),
+    method=st.sampled_from(METHODS),
+    proposer=st.sampled_from(("eagle", "ngram+eagle")),
+    branches=st.sampled_from((1, 3)),
+)
+def test_fused_head_equals_reference(fused, seed, batch, k, method, proposer, branches):
+    """Fused features travel through every target forward (chains and trees) and are checked."""
+    prompts = random_prompts(seed, 4, 1, 40)
+    params = SamplingParams(max_new_tokens=20)
+    config = {"method": method, "batch_size": batch, "k": k, "branches": branches}
+    got, _ = decode_checked(fused, prompts, params, proposer=proposer, **config)
+    assert got == reference_tokens(fused, prompts, 20)
+
+
+def test_fused_features_are_read(fused, monkeypatch):
+    """The aux blocks matter: a store that zeroes them changes the head's cache (caught), and the
+    features carry the final hidden state first, then layer 0's output with unit RMS."""
+    from batchspec.eagle import reference_features
+
+    ids = torch.tensor([[5, 9, 17, 2]])
+    feats = reference_features(fused.target, ids, fused.head.aux)
+    hidden = fused.target.get_decoder()(input_ids=ids).last_hidden_state
+    width = fused.target.config.hidden_size
+    assert feats.shape == (1, 4, 2 * width) and torch.equal(feats[..., :width], hidden)
+    assert torch.allclose(feats[..., width:].pow(2).mean(-1), torch.ones(1, 4, dtype=feats.dtype), atol=1e-4)
+    read = Features.read
+
+    def without_aux(self, seqs, positions, dtype):
+        out = read(self, seqs, positions, dtype)
+        out[..., width:] = 0
+        return out
+
+    monkeypatch.setattr(Features, "read", without_aux)
+    with pytest.raises(InvariantError, match="draft row"):
+        decode_checked(fused, random_prompts(1, 3, 5, 20), SamplingParams(max_new_tokens=12), method="ragged", k=3)
+
+
 def test_head_accepts_drafts(one_layer):
     """The property test above covers acceptance: this head accepts some drafts, not all."""
     prompts = random_prompts(3, 6, 1, 40)
@@ -131,6 +181,19 @@ def test_save_and_load_keep_the_head(one_layer, tmp_path):
     feats = torch.randn(1, 4, head.config.hidden_size, dtype=torch.float64)
     a, b = head(ids, feats).logits, again(ids, feats).logits
     assert torch.allclose(a, b, atol=5e-2), (a - b).abs().max()  # bf16 storage
+
+
+def test_save_and_load_keep_a_fused_head(fused, tmp_path):
+    from batchspec.eagle import save_head
+
+    path = str(tmp_path / "fused.safetensors")
+    save_head(fused.head, {"note": "test"}, path)
+    again = load_head(fused.target, path=path)
+    assert again.aux == (0,) and again.feature_size == fused.head.feature_size
+    ids = torch.tensor([[1, 2, 3, 4]])
+    feats = torch.randn(1, 4, fused.head.feature_size, dtype=torch.float64)
+    a, b = fused.head(ids, feats).logits, again(ids, feats).logits
+    assert torch.allclose(a, b, atol=5e-2), (a - b).abs().max()
 
 
 def test_refused_where_it_cannot_run(one_layer, tiny64):

@@ -89,3 +89,29 @@ def test_train_eagle_tiny_end_to_end(tmp_path):
     assert tuned_meta["validation"]["held_out_answers"]["templated"] == 0
     first, second = load_file(str(out)), load_file(str(tuned))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+    # --aux-layers: the fine-tuned head also reads target layers 0 and 1 (fused features); fc's new
+    # columns start at zero, so at lr 0 it drafts what the head it started from drafts
+    fused = tmp_path / "fused.safetensors"
+    args[args.index("--out") + 1] = str(fused)
+    args += ["--aux-data", str(tmp_path / "aux.pt")]
+    run_script("train_eagle.py", *args, "--init-from", str(out), "--lr", "0", "--aux-layers", "1,0")
+    fused_meta = json.loads((tmp_path / "fused.json").read_text(encoding="utf-8"))
+    assert fused_meta["training"]["aux_layers"] == [0, 1]
+    assert fused_meta["validation"]["after"] == tuned_meta["validation"]["after"]
+    state = load_file(str(fused))
+    hidden = pair.target.config.hidden_size
+    assert state["aux_layers"].tolist() == [0, 1] and state["fc.weight"].shape == (hidden, 4 * hidden)
+    assert torch.equal(state["fc.weight"][:, : 2 * hidden], first["fc.weight"])
+    assert not state["fc.weight"][:, 2 * hidden :].any()
+    pair.head = load_head(pair.target, torch.float32, path=str(fused))
+    dec = SpecDecoder(pair, method="ragged", proposer="eagle", k=3, check_invariants=True)
+    assert [o.token_ids for o in dec.generate(prompts, params)] == ref
+    # the aux features come from the cache the second time: the same head
+    again = tmp_path / "again.safetensors"
+    args[args.index("--out") + 1] = str(again)
+    run = run_script("train_eagle.py", *args, "--init-from", str(out), "--lr", "0", "--aux-layers", "0,1")
+    assert "loading cached aux features" in run.stdout
+    assert json.loads((tmp_path / "again.json").read_text(encoding="utf-8"))["data"]["aux_extraction_s"] == 0.0
+    again_state = load_file(str(again))
+    assert all(torch.equal(state[k], again_state[k]) for k in state)

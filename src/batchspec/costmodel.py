@@ -159,7 +159,7 @@ def time_rows(model, lengths: list[int], q: int, repeats: int = 1, classes: bool
     ids = torch.zeros(rows, q, dtype=torch.long, device=device)
     extra = {}
     if getattr(model, "needs_features", False):  # a draft head (eagle.py) also reads features
-        extra["features"] = torch.zeros(rows, q, model.config.hidden_size, dtype=model.dtype, device=device)
+        extra["features"] = torch.zeros(rows, q, model.feature_size, dtype=model.dtype, device=device)
     times = []
     for _ in range(repeats + warmup):
         cache.prepare(rows, positions)

@@ -12,10 +12,16 @@ Cache convention: the head's entry at position t was computed from the target's 
 f(t - 1). Entries fed while drafting use predicted features, so `EagleProposer` rewinds the head's
 cache to its pre-drafting length after every proposal; accepted tokens are re-fed with their true
 features on the next step (EAGLE's recipe). The invariant checker can then recompute every cached
-entry from the tokens alone (`reference_hidden`).
+entry from the tokens alone (`reference_features`).
 
-Weights: `weights/smollm2_eagle.safetensors` (fc, the layer, the norm, vocab_ids; bf16). The input
-embedding and the head rows are the target's and are not stored. `scripts/train_eagle.py` trains it.
+Fused features (EAGLE-3): a head with `aux_layers` also reads the outputs of those target layers
+(low and middle ones), each RMS-normalised without a weight, after the final feature:
+f = [final, aux_1, ..., aux_A] ([H (1 + A)]). While drafting it has only its own prediction of the
+final feature; the aux blocks of that input are zero (`fc_input`).
+
+Weights: `weights/smollm2_eagle.safetensors` (fc, the layer, the norm, vocab_ids, aux_layers; bf16).
+The input embedding and the head rows are the target's and are not stored. `scripts/train_eagle.py`
+trains it.
 """
 
 from __future__ import annotations
@@ -39,20 +45,23 @@ SHARED = ("model.embed_tokens.weight", "head")  # the target's tensors, never st
 class EagleHead(torch.nn.Module):
     """fc([embed(x_t), f_{t-1}]) -> Llama layer(s) -> norm = predicted f_t; logits = f_t @ head.T.
 
-    Called like a causal LM plus `features` [B, q, H] (the target's feature at each fed token's
-    previous position): `.logits` [B, q', V_r] and `.hidden` [B, q', H] (q' = q or logits_to_keep).
-    `head` [V_r, H] is a frozen buffer set by `share_target` (the target's output rows of vocab_ids).
+    Called like a causal LM plus `features` [B, q, F] (the target's feature at each fed token's
+    previous position, F = feature_size, or [B, q, H]: the head's own prediction): `.logits`
+    [B, q', V_r] and `.hidden` [B, q', H] (q' = q or logits_to_keep). `head` [V_r, H] is a frozen
+    buffer set by `share_target` (the target's output rows of vocab_ids).
     """
 
     needs_features = True
 
-    def __init__(self, config, vocab_ids: torch.Tensor):
+    def __init__(self, config, vocab_ids: torch.Tensor, aux_layers: tuple[int, ...] = ()):
         super().__init__()
         self.config = config
         hidden = config.hidden_size
-        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
+        self.feature_size = hidden * (1 + len(aux_layers))
+        self.fc = torch.nn.Linear(hidden + self.feature_size, hidden, bias=True)
         self.model = LlamaModel(config)  # embed_tokens is replaced by the target's
         self.register_buffer("vocab_ids", torch.as_tensor(vocab_ids, dtype=torch.long).clone())  # [V_r]
+        self.register_buffer("aux_layers", torch.tensor(sorted(aux_layers), dtype=torch.long))  # [A]
         self.register_buffer("head", torch.zeros(len(vocab_ids), hidden), persistent=False)  # [V_r, H]
 
     @property
@@ -63,6 +72,11 @@ class EagleHead(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
+    @property
+    def aux(self) -> tuple[int, ...]:
+        """The target layers whose outputs the features carry besides the final hidden state."""
+        return tuple(self.aux_layers.tolist())
+
     def share_target(self, target) -> None:
         """Use the target's input embedding (shared) and its output rows of vocab_ids (a copy)."""
         embedding = target.get_input_embeddings().weight
@@ -72,10 +86,18 @@ class EagleHead(torch.nn.Module):
         out = target.get_output_embeddings().weight.detach()
         self.head = out[self.vocab_ids.to(out.device)].to(self.fc.weight.dtype).clone()
 
+    def fc_input(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """fc([embeds [B, q, H], features [B, q, F]]) -> [B, q, H]; features of width H (the head's
+        own predicted final feature) read as F with zero aux blocks."""
+        features = features.to(self.dtype)
+        if features.shape[-1] < self.feature_size:
+            features = torch.nn.functional.pad(features, (0, self.feature_size - features.shape[-1]))
+        return self.fc(torch.cat([embeds, features], dim=-1))
+
     def hidden(self, input_ids, features, attention_mask=None, position_ids=None, cache=None, use_cache=False):
-        """ids [B, q], features [B, q, H] -> predicted features [B, q, H] (after the final norm)."""
+        """ids [B, q], features [B, q, F or H] -> predicted final features [B, q, H] (after the norm)."""
         embeds = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight).to(self.dtype)
-        x = self.fc(torch.cat([embeds, features.to(self.dtype)], dim=-1))
+        x = self.fc_input(embeds, features)
         out = self.model(
             inputs_embeds=x,
             attention_mask=attention_mask,
@@ -120,12 +142,12 @@ class Features:
     does before the head can read them: the head reads f(t - 1) only for t <= the last committed
     token, whose predecessor the target has always fed. Kept per sequence, freed with it."""
 
-    def __init__(self, hidden_size: int):
-        self.hidden_size = hidden_size
-        self.rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> [capacity, H]
+    def __init__(self, size: int, aux_layers: tuple[int, ...] = ()):
+        self.size, self.aux_layers = size, tuple(aux_layers)
+        self.rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> [capacity, F]
 
     def write(self, seqs: list, positions: torch.Tensor, hidden: torch.Tensor) -> None:
-        """positions [B, q] (a forward's position ids), hidden [B, q, H]."""
+        """positions [B, q] (a forward's position ids), hidden [B, q, F] (`decoder_features`)."""
         pos = positions.tolist()
         for b, seq in enumerate(seqs):
             row = pos[b]
@@ -135,16 +157,16 @@ class Features:
             start, end = row[first], row[-1] + 1
             buf = self.rows.get(seq)
             if buf is None or buf.shape[0] < end:
-                grown = hidden.new_zeros(max(end, 2 * (0 if buf is None else buf.shape[0]), 64), self.hidden_size)
+                grown = hidden.new_zeros(max(end, 2 * (0 if buf is None else buf.shape[0]), 64), self.size)
                 if buf is not None:
                     grown[: buf.shape[0]] = buf
                 self.rows[seq] = buf = grown
             buf[start:end] = hidden[b, first:]
 
     def read(self, seqs: list, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The head's feature inputs [B, q, H] for tokens at positions [B, q]: f(position - 1),
+        """The head's feature inputs [B, q, F] for tokens at positions [B, q]: f(position - 1),
         zeros at position 0 (and for positions the target has not fed: left-pad columns)."""
-        out = torch.zeros(*positions.shape, self.hidden_size, dtype=dtype, device=positions.device)
+        out = torch.zeros(*positions.shape, self.size, dtype=dtype, device=positions.device)
         prev = (positions - 1).tolist()
         for b, seq in enumerate(seqs):
             buf = self.rows.get(seq)
@@ -162,10 +184,29 @@ def shifted(features: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)
 
 
+def decoder_features(target, aux_layers: tuple[int, ...] = (), **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's decoder over `inputs` (input_ids [B, q], cache, ...) -> (final hidden states
+    [B, q, H], what its LM head reads; features [B, q, H (1 + A)]: those, then the output of each
+    layer in `aux_layers` RMS-normalised without weight). One forward; the aux outputs are caught
+    by hooks, not by keeping every layer's."""
+    layers = target.get_decoder().layers
+    caught: list[torch.Tensor] = []
+    hooks = [layers[i].register_forward_hook(lambda _m, _a, out: caught.append(out)) for i in sorted(aux_layers)]
+    try:
+        hidden = target.get_decoder()(**inputs).last_hidden_state
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if not aux_layers:
+        return hidden, hidden
+    aux = [(h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(hidden.dtype) for h in caught]
+    return hidden, torch.cat([hidden, *aux], dim=-1)
+
+
 @torch.inference_mode()
-def reference_hidden(target, ids: torch.Tensor) -> torch.Tensor:
-    """The target's final hidden states [1, n, H] over ids [1, n], unbatched (for checks)."""
-    return target.get_decoder()(input_ids=ids).last_hidden_state
+def reference_features(target, ids: torch.Tensor, aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """The target's features [1, n, F] over ids [1, n], unbatched (for checks)."""
+    return decoder_features(target, aux_layers, input_ids=ids)[1]
 
 
 def save_head(head: EagleHead, meta: dict, weights: str = EAGLE_FILE, meta_file: str | None = None) -> None:
@@ -182,7 +223,8 @@ def load_head(target, dtype: torch.dtype | None = None, path: str = EAGLE_FILE) 
     sharing the target's embedding and output rows."""
     state = load_file(path)
     num_layers = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("model.layers."))
-    head = EagleHead(draft_config(target.config, num_layers), state["vocab_ids"])
+    aux_layers = tuple(state.setdefault("aux_layers", torch.zeros(0, dtype=torch.long)).tolist())
+    head = EagleHead(draft_config(target.config, num_layers), state["vocab_ids"], aux_layers)
     missing, unexpected = head.load_state_dict(state, strict=False)
     if unexpected or set(missing) - set(SHARED):
         lost = sorted(set(missing) - set(SHARED))

@@ -96,7 +96,7 @@ class SpecDecoder:
                 f"method {self.config.method!r} cannot run the draft head (--proposer eagle): its batch keeps "
                 "rejected drafts in the caches, which the head cannot rewind; use draft or ngram"
             )
-        return EagleProposer(pair.head, pair.vocab_size, pair.target.config.hidden_size, self.config.branches)
+        return EagleProposer(pair.head, pair.vocab_size, self.config.branches)
 
     def make_sequences(
         self, prompts: list, params: SamplingParams | list[SamplingParams], chat_template: bool = True

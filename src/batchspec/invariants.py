@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import kv
-from .eagle import reference_hidden, shifted
+from .eagle import reference_features, shifted
 
 # Batched vs unbatched forwards differ by rounding only; these bound that, per dtype.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
@@ -46,7 +46,7 @@ def _check_row(model, role: str, row: int, tokens: list[int], cached: kv.SeqKV, 
     ids = torch.tensor([tokens], device=model.device)
     extra = {}
     if getattr(model, "needs_features", False):  # a draft head: the target's features of the same tokens
-        extra["features"] = shifted(reference_hidden(target, ids))
+        extra["features"] = shifted(reference_features(target, ids, model.aux))
     model(input_ids=ids, cache=fresh, use_cache=True, logits_to_keep=1, **extra)
     tol = TOLERANCE.get(next(model.parameters()).dtype, 1e-3)
     if extra:  # features come out of the target's final RMSNorm, computed in float32 whatever the dtype

@@ -148,13 +148,14 @@ class EagleProposer(DraftProposer):
 
     rewinds = True
 
-    def __init__(self, model, vocab_size: int, hidden_size: int, branches: int = 1):
+    def __init__(self, model, vocab_size: int, branches: int = 1):
         super().__init__(model, vocab_size, model.vocab_ids, branches)
-        self.features = Features(hidden_size)
+        self.features = Features(model.feature_size, model.aux)
 
     def _feed(self, batch: Layout, ids: torch.Tensor, carry: torch.Tensor | None = None):
         """(logits [B, 1, V_head], predicted feature [B, 1, H]) of the last of ids [B, q]; the
-        feature inputs are the target's (`carry` None) or the head's own previous prediction."""
+        feature inputs are the target's (`carry` None, [B, q, F]) or the head's own previous
+        prediction ([B, 1, H], no aux blocks)."""
         inputs = batch.inputs(self.role, ids.shape[1])
         if carry is None:
             carry = self.features.read(batch.seqs, inputs["position_ids"], self.model.dtype)

@@ -69,18 +69,25 @@ def tiny_models(
     return target.to(dtype), draft.to(dtype)
 
 
-def tiny_head(target: LlamaForCausalLM, noise: float = 0.02, seed: int = 0, feature_mix: float = 0.005):
+def tiny_head(
+    target: LlamaForCausalLM,
+    noise: float = 0.02,
+    seed: int = 0,
+    feature_mix: float = 0.005,
+    aux_layers: tuple[int, ...] = (),
+):
     """An EAGLE-style head (eagle.py) for a tiny target: its layer is the target's last layer plus
     noise, `fc` passes the token embedding through and mixes in `feature_mix` x a random map of
-    the feature (so wrong features change its output), the reduced vocabulary drops every 7th id.
-    Over a 1-layer target it predicts the target's features closely: mixed acceptance."""
+    the feature (and of each `aux_layers` output: so wrong features change its output), the reduced
+    vocabulary drops every 7th id. Over a 1-layer target it predicts the target's features
+    closely: mixed acceptance."""
     from .draft import draft_config
     from .eagle import EagleHead
 
     config = target.config
     vocab_ids = torch.tensor([i for i in range(config.vocab_size) if i % 7 != 3])
     gen = torch.Generator().manual_seed(seed + 2)
-    head = EagleHead(draft_config(config, 1), vocab_ids)
+    head = EagleHead(draft_config(config, 1), vocab_ids, aux_layers)
     hidden = config.hidden_size
     with torch.no_grad():
         head.model.layers[0].load_state_dict(target.model.layers[-1].state_dict())
@@ -88,7 +95,7 @@ def tiny_head(target: LlamaForCausalLM, noise: float = 0.02, seed: int = 0, feat
         for p in head.model.layers[0].parameters():
             if p.numel() > 1:
                 p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * p.std() * noise)
-        mix = torch.randn(hidden, hidden, generator=gen) * feature_mix / hidden**0.5
+        mix = torch.randn(hidden, head.feature_size, generator=gen) * feature_mix / hidden**0.5
         head.fc.weight.copy_(torch.cat([torch.eye(hidden), mix], dim=1))
         head.fc.bias.zero_()
     head.to(target.dtype)

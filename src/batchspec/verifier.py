@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .eagle import decoder_features
 from .tree import Tree, restrict
 
 if TYPE_CHECKING:
@@ -25,13 +26,14 @@ def forward(model, ids: torch.Tensor, inputs: dict, last_only: bool = False) -> 
 
 def target_forward(target, batch: Layout, ids: torch.Tensor, features=None, last_only: bool = False) -> torch.Tensor:
     """Feed ids [B, q] to the target's cache in `batch`: `forward`. `features` (an eagle.Features,
-    or None): also keep the target's final hidden states of these tokens, the ones its LM head
-    reads (the decoder, then the LM head on the kept columns, as the model itself does)."""
+    or None): also keep the target's features of these tokens (its final hidden states, the ones
+    its LM head reads, and any aux layers'; the decoder, then the LM head on the kept columns, as
+    the model itself does)."""
     inputs = batch.inputs("target", ids.shape[1])
     if features is None:
         return forward(target, ids, inputs, last_only)
-    hidden = target.get_decoder()(input_ids=ids, use_cache=True, **inputs).last_hidden_state
-    features.write(batch.seqs, inputs["position_ids"], hidden)
+    hidden, feats = decoder_features(target, features.aux_layers, input_ids=ids, use_cache=True, **inputs)
+    features.write(batch.seqs, inputs["position_ids"], feats)
     return target.get_output_embeddings()(hidden[:, -1:] if last_only else hidden)
 
 
@@ -43,7 +45,7 @@ def verify(target, batch: Layout, drafts: torch.Tensor, features=None) -> torch.
 @dataclass
 class TreeForward:
     """What `settle` needs of a tree verification: the number of node columns, the chain-order
-    positions of the fed columns [B, q], and the target's features there [B, q, H] (or None)."""
+    positions of the fed columns [B, q], and the target's features there [B, q, F] (or None)."""
 
     nodes: int
     positions: torch.Tensor
@@ -61,9 +63,9 @@ def verify_tree(target, batch: Layout, nodes: torch.Tensor, tree: Tree, features
     ids = torch.cat([pending, nodes], dim=1)
     if features is None:
         return forward(target, ids, inputs)[:, p - 1 :], TreeForward(len(tree), chain_positions, None)
-    hidden = target.get_decoder()(input_ids=ids, use_cache=True, **inputs).last_hidden_state
+    hidden, feats = decoder_features(target, features.aux_layers, input_ids=ids, use_cache=True, **inputs)
     logits = target.get_output_embeddings()(hidden[:, p - 1 :])
-    return logits, TreeForward(len(tree), chain_positions, hidden)
+    return logits, TreeForward(len(tree), chain_positions, feats)
 
 
 def settle(batch: Layout, fed: TreeForward, path: torch.Tensor, features=None) -> None:
