@@ -132,7 +132,7 @@ def init_head(target, vocab_ids: torch.Tensor, layer: int, aux_layers: tuple[int
     return head
 
 
-def widen(head: EagleHead, aux_layers: tuple[int, ...]) -> EagleHead:
+def widen(head: EagleHead, aux_layers: tuple[int, ...], target) -> EagleHead:
     """A head reading `aux_layers` too that computes exactly what `head` does: fc's columns for the
     new feature blocks start at zero."""
     if aux_layers == head.aux:
@@ -140,13 +140,12 @@ def widen(head: EagleHead, aux_layers: tuple[int, ...]) -> EagleHead:
     if head.aux:
         raise SystemExit(f"--init-from reads aux layers {head.aux}; cannot change them to {aux_layers}")
     wide = EagleHead(head.config, head.vocab_ids, aux_layers).to(head.dtype)
-    state = {k: v for k, v in head.state_dict().items() if k not in ("aux_layers", "fc.weight")}
+    state = {k: v for k, v in head.stored_state(head.dtype).items() if k not in ("aux_layers", "fc.weight")}
     wide.load_state_dict(state, strict=False)
     with torch.no_grad():
         wide.fc.weight.zero_()
         wide.fc.weight[:, : head.fc.weight.shape[1]] = head.fc.weight
-    wide.model.embed_tokens.weight = head.model.embed_tokens.weight
-    wide.head = head.head
+    wide.share_target(target)
     return wide
 
 
@@ -155,15 +154,11 @@ def add_aux(records: list[dict], target, aux_layers: tuple[int, ...], batch_toke
     """Store each record's aux features ("aux": bf16 [L-1, A H], beside "hidden") from one target
     forward over its tokens (right-padded batches of similar length); seconds taken."""
     start, width = time.time(), target.config.hidden_size
-    order = sorted(range(len(records)), key=lambda i: len(records[i]["tokens"]))
-    batches: list[list[int]] = [[]]
-    for i in order:  # ascending lengths: the newest is the batch's longest
-        if batches[-1] and (len(batches[-1]) + 1) * (len(records[i]["tokens"]) - 1) > batch_tokens:
-            batches.append([])
-        batches[-1].append(i)
+    longest = max(len(r["tokens"]) for r in records)
+    batches = distill.make_batches(records, batch_tokens, longest, random.Random(0))  # the order does not matter
     for n, batch in enumerate(batches):
         rows = [records[i] for i in batch]
-        ids = torch.zeros(len(rows), len(rows[-1]["tokens"]) - 1, dtype=torch.long)
+        ids = torch.zeros(len(rows), max(len(r["tokens"]) for r in rows) - 1, dtype=torch.long)
         for b, r in enumerate(rows):
             ids[b, : len(r["tokens"]) - 1] = r["tokens"][:-1].long()
         feats = decoder_features(target, aux_layers, input_ids=ids)[1][..., width:]
@@ -360,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     train_recs = train_recs + self_train
     pair = load_pair(args.pair, dtype="float32", device="cpu")
     if args.init_from:  # fine-tuning: the weights and the vocabulary of a trained head
-        head = widen(load_head(pair.target, torch.float32, args.init_from), args.aux_layers)
+        head = widen(load_head(pair.target, torch.float32, args.init_from), args.aux_layers, pair.target)
         head.model.embed_tokens.weight.requires_grad_(False)
         vocab_ids = head.vocab_ids
     else:

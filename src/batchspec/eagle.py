@@ -189,11 +189,12 @@ def decoder_features(target, aux_layers: tuple[int, ...] = (), **inputs) -> tupl
     [B, q, H], what its LM head reads; features [B, q, H (1 + A)]: those, then the output of each
     layer in `aux_layers` RMS-normalised without weight). One forward; the aux outputs are caught
     by hooks, not by keeping every layer's."""
-    layers = target.get_decoder().layers
+    decoder = target.get_decoder()
     caught: list[torch.Tensor] = []
-    hooks = [layers[i].register_forward_hook(lambda _m, _a, out: caught.append(out)) for i in sorted(aux_layers)]
+    catch = lambda _module, _args, out: caught.append(out)  # noqa: E731
+    hooks = [decoder.layers[i].register_forward_hook(catch) for i in sorted(aux_layers)]
     try:
-        hidden = target.get_decoder()(**inputs).last_hidden_state
+        hidden = decoder(**inputs).last_hidden_state
     finally:
         for hook in hooks:
             hook.remove()
