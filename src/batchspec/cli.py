@@ -28,8 +28,8 @@ PROPOSER_HELP = (
     "a model elsewhere (ngram+eagle, ngram+draft) (default: the pair's)"
 )
 BRANCHES_HELP = (
-    "candidates verified per draft position: 1 = a chain (default); C > 1 adds the model proposer's "
-    "C - 1 next-best tokens at each depth as leaves of a draft tree, verified in the same forward"
+    "candidates verified per draft position: 1 = a chain (default); C > 1 drafts a tree of C nodes per "
+    "depth (the model proposer's C most likely continuations at each depth), verified in one forward"
 )
 K_HELP = (
     "draft tokens per row and step: N, or auto (default: chosen every step from measured costs, "

@@ -74,8 +74,8 @@ class EngineConfig:
 
     k: draft tokens per step (speculative methods): an integer >= 1, or "auto" (the default: each
     step chooses 0 .. AUTO_K_MAX per row from measured costs, speculation.py). branches: candidates
-    verified per draft position (1: a chain; c > 1: the proposer's c - 1 next-best tokens as leaves
-    of a draft tree, tree.py). batch_size: rows per forward pass.
+    verified per draft position (1: a chain; c > 1: a draft tree of the proposer's c most likely
+    continuations at each depth, tree.py). batch_size: rows per forward pass.
     window_size: EXSPEC's active pool (default 4 x batch_size). min_group: smallest same-length
     group EXSPEC runs without padding (default batch_size). kv_budget_tokens: KV tokens the
     ragged layout's rows may reserve together (default: its batch_size largest requests).
@@ -85,7 +85,7 @@ class EngineConfig:
     k: int | str = "auto"
     batch_size: int = 8
     proposer: str | None = None  # "draft" | "ngram" | "eagle"; None: the pair's default
-    branches: int = 1  # candidates verified per draft position: > 1 adds the proposer's next best (tree.py)
+    branches: int = 1  # candidates verified per draft position: > 1 drafts a tree (tree.py)
     window_size: int | None = None
     min_group: int | None = None
     kv_budget_tokens: int | None = None

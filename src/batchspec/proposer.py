@@ -20,12 +20,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from .eagle import Features
 from .sampling import RowParams, choose, probabilities
+from .tree import Tree, limit_view
 from .verifier import forward
 
 if TYPE_CHECKING:
@@ -38,7 +40,8 @@ class Proposal:
     num_proposed: torch.Tensor | None = None  # [B]; None means k for every row
     signal: torch.Tensor | None = None  # [B, k] long: each draft's confidence bin (0 .. proposer.bins - 1)
     forwards: int | None = None  # proposer calls it took; None: one per draft (a model), one (a lookup)
-    alternatives: torch.Tensor | None = None  # [B, k, c-1]: next-best tokens at each depth (tree.py)
+    tree: Tree | None = None  # a draft tree (tree.py) whose nodes hold `nodes`; drafts is one of its paths
+    nodes: torch.Tensor | None = None  # [B, k * tree.width] full-vocabulary ids
 
 
 #: Called by a proposer that drafts step by step, after draft i (0-based) with the bins so far
@@ -76,7 +79,7 @@ class DraftProposer:
 
     def __init__(self, model, vocab_size: int, vocab_ids: torch.Tensor | None = None, branches: int = 1):
         self.model = model
-        self.branches = branches  # candidates per depth: > 1 offers c - 1 alternatives (a tree)
+        self.branches = branches  # nodes per depth: > 1 drafts a tree (tree.py)
         self.vocab_size = vocab_size  # the target's vocabulary (size of noise's last dim)
         self.vocab_ids = vocab_ids  # [V_head] head index -> full id, or None for a full head
 
@@ -85,42 +88,128 @@ class DraftProposer:
     ) -> Proposal:
         """Up to k tokens per row with as many forwards: the pending tokens first, then each new
         draft but the last (whose KV is never needed unless all are accepted; see realign.py's
-        lag). `stop` may end drafting early for the whole batch."""
+        lag). `stop` may end drafting early for the whole batch. With `branches` C > 1 (and a
+        cache it rewinds) a tree of C nodes per depth instead (`_propose_tree`)."""
+        if self.branches > 1 and self.rewinds:  # a kept cache would hold the chain's token, not a node's
+            return self._propose_tree(batch, k, params, noise, stop)
         logits, carry = self._feed(batch, batch.pending(self.role))
         mark = batch.mark(self.role) if self.rewinds else None
-        drafts, bins, others = [], [], []
-        tree = self.branches > 1 and self.rewinds  # a kept cache would hold the chain's token, not a leaf's
+        drafts, bins = [], []
         for i in range(k):
             token, confidence = self._pick(logits[:, -1], params, None if noise is None else noise[:, i])
             drafts.append(token)
             bins.append((confidence * self.bins).long().clamp(max=self.bins - 1))
-            if tree:
-                others.append(self._alternatives(logits[:, -1], token))
             if i == k - 1 or (stop is not None and stop(i, torch.stack(bins, dim=1))):
                 break
             logits, carry = self._feed(batch, token[:, None], carry)
         if self.rewinds:
             batch.rewind(self.role, mark)
-        alternatives = torch.stack(others, dim=1) if tree else None
-        return Proposal(torch.stack(drafts, dim=1), signal=torch.stack(bins, dim=1), alternatives=alternatives)
+        return Proposal(torch.stack(drafts, dim=1), signal=torch.stack(bins, dim=1))
 
-    def _alternatives(self, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """logits [B, V_head], the drafted tokens [B] -> the c - 1 most likely other tokens [B, c-1]
-        (full ids, best first)."""
+    def _propose_tree(
+        self,
+        batch: Layout,
+        k: int,
+        params: RowParams,
+        noise: torch.Tensor | None,
+        stop: StopRule | None,
+        forced: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Proposal:
+        """A beam of C = `branches` nodes per depth (`_expand`). Each depth's nodes are fed in one
+        forward, each seeing the committed tokens and its own ancestors (and, for the head, its
+        parent's predicted feature). `forced` (tokens [B, k], counts [B]): row b's first counts[b]
+        depths start with those tokens (lookup first's chain). Drafts: the path to the best
+        deepest node; bins: the model's best node's at each depth."""
+        c, role, b = self.branches, self.role, len(batch.seqs)
+        logits, feats = self._feed(batch, batch.pending(role))
+        mark = batch.mark(role)
+        last = torch.tensor([len(s) - 1 for s in batch.seqs], device=logits.device)  # the roots' positions
+        cum = torch.zeros(b, 1, device=logits.device)
+        nodes, parents, beams, bins, anc = [], [], [], [], None
+        for d in range(k):  # nodes of depth d + 1 from the logits of depth d's (the root's at d = 0)
+            force = None if forced is None else (forced[0][:, d], forced[1] > d)
+            cum, beam, tokens, best = self._expand(cum, logits, params, None if noise is None else noise[:, d], force)
+            nodes.append(tokens)
+            parents.append(beam - 1 if d == 0 else beam + (d - 1) * c)  # -1: the root
+            beams.append(beam)
+            bins.append((best * self.bins).long().clamp(max=self.bins - 1))
+            anc = _grow(anc, parents[-1], c)
+            if d == k - 1 or (stop is not None and stop(d, torch.stack(bins, dim=1))):
+                break
+            carry = None if feats is None else feats.gather(1, beam[:, :, None].expand(-1, -1, feats.shape[2]))
+            at = (last + d + 1)[:, None].expand(b, c)  # the new nodes' positions
+            view = partial(limit_view, first=0, visible=anc[:, -c:], positions=at)
+            logits, feats = self._feed(batch, tokens, carry, view)
+        batch.rewind(role, mark)
+        chain, slot = [], torch.zeros(b, 1, dtype=torch.long, device=last.device)
+        for token, beam in zip(reversed(nodes), reversed(beams)):  # back from the best deepest node
+            chain.append(token.gather(1, slot))
+            slot = beam.gather(1, slot)
+        tree = Tree(torch.cat(parents, dim=1), c)
+        drafts = torch.cat(chain[::-1], dim=1)
+        return Proposal(drafts, signal=torch.stack(bins, dim=1), tree=tree, nodes=torch.cat(nodes, dim=1))
+
+    def _expand(self, cum: torch.Tensor, logits: torch.Tensor, params: RowParams, noise, force):
+        """One depth of the beam: cum [B, m] (the m fed nodes' cumulative scores), their logits
+        [B, m, V_head] -> the C children with the best cumulative score among the C best of each
+        node: (cum [B, C], parent among the m [B, C], full ids [B, C], the model's probability of its
+        best child [B]). force (tokens [B], rows [B]) or None: those rows' first node is that token,
+        a child of node 0, scored as certain (0), beside the C - 1 best others."""
         c = self.branches
-        top = self._to_full(logits.topk(min(c, logits.shape[-1]), dim=-1).indices)  # [B, c]
-        other = top != token[:, None]
-        order = torch.argsort((~other).int(), dim=1, stable=True)[:, : c - 1]  # the drafted one last
-        return top.gather(1, order)
+        score, soft = self._scores(logits, params, noise)  # [B, m, V_head]
+        top, idx = (cum[:, :, None] + score).topk(c, dim=-1)  # [B, m, c]: each node's c best children
+        if force is not None:  # the forced token drafted by node 0 as well is the forced node itself
+            token, rows = force
+            top[:, 0] = top[:, 0].masked_fill(
+                rows[:, None] & (idx[:, 0] == self._head_index(token)[:, None]), -torch.inf
+            )
+        cum, flat = top.flatten(1).topk(c, dim=1)  # [B, c], best first
+        beam = torch.div(flat, c, rounding_mode="floor")
+        picked = idx.flatten(1).gather(1, flat)
+        best = soft.flatten(1).gather(1, beam[:, :1] * soft.shape[2] + picked[:, :1])[:, 0]
+        tokens = self._to_full(picked)
+        if force is not None:
+            token, rows = force
+            zero = torch.zeros_like(beam[:, :1])
+            beam = torch.where(rows[:, None], torch.cat([zero, beam[:, :-1]], dim=1), beam)
+            tokens = torch.where(rows[:, None], torch.cat([token[:, None], tokens[:, :-1]], dim=1), tokens)
+            cum = torch.where(rows[:, None], torch.cat([zero.to(cum.dtype), cum[:, :-1]], dim=1), cum)
+        return cum, beam, tokens, best
+
+    def _head_index(self, ids: torch.Tensor) -> torch.Tensor:
+        """Full ids [B] -> the model's own vocabulary index (-1 where it has none)."""
+        if self.vocab_ids is None:
+            return ids
+        if getattr(self, "_index", None) is None:
+            self._index = torch.full((int(self.vocab_ids.max()) + 1,), -1, dtype=torch.long, device=ids.device)
+            self._index[self.vocab_ids.to(ids.device)] = torch.arange(len(self.vocab_ids), device=ids.device)
+        return torch.where(ids < len(self._index), self._index[ids.clamp(max=len(self._index) - 1)], -1)
+
+    def _scores(self, logits: torch.Tensor, params: RowParams, noise: torch.Tensor | None):
+        """logits [B, m, V_head] -> (ranking scores, the confidence probabilities) [B, m, V_head]:
+        log-softmax and softmax for a greedy row; for a sampled row log(sampling probs) plus the
+        position's Gumbel noise (noise [B, V], the drafts a chain would sample), and those probs."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        if noise is None:
+            return logp, logp.exp()
+        probs = probabilities(logits, params)
+        head_noise = noise if self.vocab_ids is None else noise[:, self.vocab_ids.to(noise.device)]
+        greedy = (params.temperature.to(logits.device) == 0)[:, None, None]
+        sampled = probs.log() + head_noise[:, None, :].to(probs.device)
+        return torch.where(greedy, logp, sampled), torch.where(greedy, logp.exp(), probs)
 
     def feed(self, batch: Layout, ids: torch.Tensor) -> torch.Tensor:
         """Feed ids [B, q] to the draft's cache in `batch`; logits of the last column [B, 1, V_head]."""
         return self._feed(batch, ids)[0]
 
-    def _feed(self, batch: Layout, ids: torch.Tensor, carry=None):
+    def _feed(self, batch: Layout, ids: torch.Tensor, carry=None, view=None):
         """(logits of the last of ids [B, 1, V_head], what the next drafting forward needs besides
-        its token: nothing for a draft model)."""
-        return forward(self.model, ids, batch.inputs(self.role, ids.shape[1]), last_only=True), None
+        its token: nothing for a draft model). `view` (a tree's nodes): it rewrites the inputs'
+        mask and positions, and every column's logits come back [B, q, V_head]."""
+        inputs = batch.inputs(self.role, ids.shape[1])
+        if view is None:
+            return forward(self.model, ids, inputs, last_only=True), None
+        return forward(self.model, ids, view(inputs)), None
 
     def _pick(self, logits: torch.Tensor, params: RowParams, noise: torch.Tensor | None):
         """logits [B, V_head] -> (full ids [B], the draft's probability of each [B]: under its
@@ -152,14 +241,17 @@ class EagleProposer(DraftProposer):
         super().__init__(model, vocab_size, model.vocab_ids, branches)
         self.features = Features(model.feature_size, model.aux)
 
-    def _feed(self, batch: Layout, ids: torch.Tensor, carry: torch.Tensor | None = None):
+    def _feed(self, batch: Layout, ids: torch.Tensor, carry: torch.Tensor | None = None, view=None):
         """(logits [B, 1, V_head], predicted feature [B, 1, H]) of the last of ids [B, q]; the
         feature inputs are the target's (`carry` None, [B, q, F]) or the head's own previous
-        prediction ([B, 1, H], no aux blocks)."""
+        predictions ([B, q, H], no aux blocks). `view` (a tree's nodes): it rewrites the inputs'
+        mask and positions, and every column's logits and features come back."""
         inputs = batch.inputs(self.role, ids.shape[1])
         if carry is None:
             carry = self.features.read(batch.seqs, inputs["position_ids"], self.model.dtype)
-        out = self.model(input_ids=ids, features=carry, use_cache=True, logits_to_keep=1, **inputs)
+        keep = 1 if view is None else ids.shape[1]
+        inputs = inputs if view is None else view(inputs)
+        out = self.model(input_ids=ids, features=carry, use_cache=True, logits_to_keep=keep, **inputs)
         return out.logits, out.hidden_states
 
 
@@ -172,9 +264,11 @@ class LookupFirst:
     The model's cache is rewound after each proposal (as the head's always is): rows that take the
     lookup's drafts leave no entries of the model's own drafts behind, and accepted tokens are fed
     to the model on the next step. Bins: the model's (0 .. model.bins - 1), then model.bins + the
-    lookup's match length. The model is not called when every row takes the lookup's drafts. In a
-    draft tree (`branches` > 1) a lookup row's leaves are the model's own drafts and next best, so
-    the model's guess still counts where the lookup's breaks."""
+    lookup's match length. In a chain the model is not called when every row takes the lookup's
+    drafts. In a draft tree (`branches` C > 1) a lookup row's first node at each depth is the
+    lookup's draft, beside the model's C - 1 best others, children of the lookup's nodes among
+    them (the model drafts from the lookup's chain too, which its beam ranks as certain): so the
+    model's guesses count where the lookup's break, and continue it past its end."""
 
     def __init__(self, model_proposer: DraftProposer, lookup: NgramProposer, min_match: int = MIN_MATCH):
         model_proposer.rewinds = True
@@ -193,23 +287,38 @@ class LookupFirst:
     ) -> Proposal:
         found = self.lookup.propose(batch, k, params, noise)
         take = (found.num_proposed > 0) & (found.signal[:, 0] >= self.min_match)  # [B] rows that take lookup's
-        if bool(take.all()):
+        if bool(take.all()) and self.branches == 1:
             return Proposal(found.drafts, found.num_proposed, found.signal + self.inner.bins, forwards=0)
         mine = torch.where(take[:, None], found.signal + self.inner.bins, 0)  # [B, k]
 
         def merged_stop(i: int, bins: torch.Tensor) -> bool:  # the policy sees each row's own source
             return stop(i, torch.where(take[:, None], mine[:, : i + 1], bins))
 
-        drafted = self.inner.propose(batch, k, params, noise, None if stop is None else merged_stop)
+        merged = None if stop is None else merged_stop
+        if self.branches > 1:  # a tree: the lookup chain first where a row takes it, the model's beam beside
+            counts = torch.where(take, found.num_proposed, 0)
+            drafted = self.inner._propose_tree(batch, k, params, noise, merged, (found.drafts, counts))
+            signal = torch.where(take[:, None], mine[:, : drafted.drafts.shape[1]], drafted.signal)
+            return Proposal(drafted.drafts, None, signal, tree=drafted.tree, nodes=drafted.nodes)
+        drafted = self.inner.propose(batch, k, params, noise, merged)
         j = drafted.drafts.shape[1]
         counts = torch.where(take, found.num_proposed.clamp(max=j), j)
         drafts = torch.where(take[:, None], found.drafts[:, :j], drafted.drafts)
         signal = torch.where(take[:, None], mine[:, :j], drafted.signal)
-        alternatives = drafted.alternatives
-        if alternatives is not None:  # a lookup row's leaves: the model's own drafts, then its next best
-            model = torch.cat([drafted.drafts[:, :, None], alternatives[:, :, :-1]], dim=2)
-            alternatives = torch.where(take[:, None, None], model, alternatives)
-        return Proposal(drafts, counts, signal, alternatives=alternatives)
+        return Proposal(drafts, counts, signal)
+
+
+def _grow(anc: torch.Tensor | None, parent: torch.Tensor, c: int) -> torch.Tensor:
+    """The ancestry [B, n, n] of a tree's nodes so far (None: none yet) -> with the next depth's c
+    nodes, whose parents are `parent` [B, c] (-1: the root) -> [B, n + c, n + c]."""
+    b = parent.shape[0]
+    eye = torch.eye(c, dtype=torch.bool, device=parent.device).expand(b, c, c)
+    if anc is None:
+        return eye.clone()
+    n = anc.shape[1]
+    rows = anc[torch.arange(b, device=parent.device)[:, None], parent]  # [B, c, n]: each parent's ancestry
+    top = torch.cat([anc, anc.new_zeros(b, n, c)], dim=2)
+    return torch.cat([top, torch.cat([rows, eye], dim=2)], dim=1)
 
 
 class NgramProposer:

@@ -77,7 +77,7 @@ class Layout(Protocol):
         ...
 
     # Optional: `keep_path(role, nodes, index)`, after a draft tree's forward, moves each row's
-    # accepted path to the chain's slots (tree.py); a layout without it verifies chains only.
+    # accepted path to the first k node slots (tree.py); a layout without it verifies chains only.
 
 
 @dataclass
@@ -182,16 +182,15 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
         drafts, limit = _chosen(policy, batch, proposal, started, ctx.device)
     step_start = timed(ctx.device)
     features = getattr(ctx.proposer, "features", None)
-    shape = _tree(proposal, batch, drafts.shape[1])
+    shape, nodes = _tree(proposal, batch, drafts.shape[1])
     with stats.stage("verify"):
         if shape is None:
             logits = verify(ctx.target, batch, drafts, features)
         else:
-            nodes = tree.nodes(drafts, proposal.alternatives[:, : drafts.shape[1]])
             logits, fed = verify_tree(ctx.target, batch, nodes, shape, features)
     with stats.stage("accept"):
         width = drafts.shape[1]
-        offsets = torch.arange(width + 1) if shape is None else torch.tensor([0, *shape.depth()])
+        offsets = torch.arange(width + 1) if shape is None else torch.nn.functional.pad(shape.depth().cpu(), (1, 0))
         if params.greedy:
             choice = logits.argmax(dim=-1)
         else:  # noise by position: a tree's node at depth d reads offset d
@@ -201,9 +200,6 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
         else:
             outcome, path = tree.accept(nodes, shape, choice, limit)
             settle(batch, fed, path, features)
-            ends = path.gather(1, (outcome.num_accepted - 1).clamp(min=0)[:, None])[:, 0]  # deepest kept node
-            leaves = int(((ends >= width) & (outcome.num_accepted > 0)).sum())
-            stats.extra["leaf_tokens"] = stats.extra.get("leaf_tokens", 0) + leaves
         rows, accepted = outcome.rows(), outcome.num_accepted.tolist()
         kept = [seq.commit(row, a) for seq, row, a in zip(seqs, rows, accepted)]
         stats.record_step(kept, [seq.accepted_per_step[-1] for seq in seqs])
@@ -233,12 +229,13 @@ def _chosen(policy, batch: Layout, proposal: Proposal | None, started: float, de
     return proposal.drafts[:, :width], limit
 
 
-def _tree(proposal: Proposal | None, batch: Layout, width: int) -> tree.Tree | None:
-    """The draft tree to verify: the chain plus the proposal's alternatives at each of its `width`
-    depths, where the proposer offers them and the layout can keep a tree's path; else None."""
-    if proposal is None or proposal.alternatives is None or width == 0 or not hasattr(batch, "keep_path"):
-        return None
-    return tree.Tree.chain_with_alternatives(width, proposal.alternatives.shape[2] + 1)
+def _tree(proposal: Proposal | None, batch: Layout, width: int):
+    """(the draft tree to verify, its nodes [B, width x C]): the proposal's tree cut at depth
+    `width`, where the proposer drafted one and the layout can keep a tree's path; else (None, None)."""
+    if proposal is None or proposal.tree is None or width == 0 or not hasattr(batch, "keep_path"):
+        return None, None
+    shape = proposal.tree.cut(width)
+    return shape, proposal.nodes[:, : len(shape)]
 
 
 def _after(ctx: Context, batch: Layout, finished: list[Sequence]) -> None:

@@ -1,18 +1,19 @@
 """Draft trees: several candidates per position, verified in one target forward.
 
-A chain of k drafts is the tree with one child per node. `Tree` is any static shape over N nodes
-(parents before children); `Tree.chain_with_alternatives(k, c)` is the one the step builds: the
-proposer's chain d1..dk plus, at every depth, its c - 1 next-best tokens as leaves beside the chain
-node (the head's logits already rank them, so they cost no extra drafting forward). Where the chain
-breaks at depth i + 1, a leaf there that equals the target's pick is kept as well: one more token
-from the same target forward.
+A chain of k drafts is the tree with one node per depth. `Tree` holds C nodes per depth, depth by
+depth (nodes (d - 1) C .. d C - 1 at depth d), each node's parent one depth up, chosen per row. The
+proposers build it as a beam (proposer.py): at every depth the C most likely continuations of the
+tree so far, by the drafter's cumulative log-probability, each drafted from its own parent's
+predicted feature and cache entries (EAGLE-2's expansion, with C beams of C children). So a tree
+spends its k C columns where the drafter expects the target's path, not only beside one chain.
 
 Verification feeds `[pending, nodes]`; a node sees the committed tokens and its own ancestors only
-(`restrict`: the mask and positions of a tree forward). Acceptance (`accept`) walks from the root,
+(`restrict`: the mask and positions of a tree forward; `limit_view` for any run of written
+columns, which the drafter's own tree forwards use too). Acceptance (`accept`) walks from the root,
 following the child equal to the target's pick at its parent: the same rule as a chain's, so the
 output is still the target's own pick at every position. Afterwards the accepted path's cache
-entries are moved to the chain's slots (`chain_order`), so the layouts roll back a tree exactly as
-they roll back a chain whose first `num_accepted` drafts were kept.
+entries are moved to the first k node slots (`settle`, verifier.py), so the layouts roll back a tree
+exactly as they roll back a chain whose first `num_accepted` drafts were kept.
 """
 
 from __future__ import annotations
@@ -26,71 +27,77 @@ from .acceptance import Outcome
 
 @dataclass(frozen=True)
 class Tree:
-    """parent[n]: the node before node n (-1: the root, the row's last committed token). Parents
-    come before children; nodes 0..k-1 are the chain (node i at depth i + 1)."""
+    """parent [B, N] long: node n's parent in row b (-1: the root, the row's last committed token),
+    a node one depth up; `width` C nodes per depth, depth-major, so depth is the same in every row
+    and a prefix of the nodes is the tree cut at a depth (`cut`)."""
 
-    parent: tuple[int, ...]
+    parent: torch.Tensor
+    width: int
 
     @staticmethod
-    def chain_with_alternatives(k: int, c: int) -> Tree:
-        """The chain d1..dk (nodes 0..k-1), then for each depth 1..k, c - 1 leaves whose parent is
-        the chain node one level up: nodes k + (i * (c - 1)) + j, j < c - 1, at depth i + 1."""
-        chain = [i - 1 for i in range(k)]
-        leaves = [i - 1 for i in range(k) for _ in range(c - 1)]
-        return Tree(tuple(chain + leaves))
+    def chain_with_alternatives(k: int, c: int, rows: int = 1) -> Tree:
+        """At each depth the chain's node first (parent: the chain node one up), then c - 1 leaves
+        beside it (same parent)."""
+        chain = torch.tensor([(d - 1) * c if d else -1 for d in range(k) for _ in range(c)])
+        return Tree(chain.expand(rows, -1).clone(), c)
 
     def __len__(self) -> int:
-        return len(self.parent)
+        return self.parent.shape[1]
 
-    def depth(self) -> list[int]:
-        """Depth of each node (the root's children: 1)."""
-        out: list[int] = []
-        for p in self.parent:
-            out.append(1 if p < 0 else out[p] + 1)
-        return out
+    @property
+    def depths(self) -> int:
+        return len(self) // self.width
 
-    def ancestry(self, device=None) -> torch.Tensor:
-        """[N, N] bool: [n, m] is True when m is n or one of its ancestors."""
-        n = len(self.parent)
-        anc = torch.eye(n, dtype=torch.bool)
-        for i, p in enumerate(self.parent):
-            if p >= 0:
-                anc[i] |= anc[p]
-        return anc.to(device)
+    def depth(self) -> torch.Tensor:
+        """[N]: depth of each node (the root's children: 1)."""
+        return torch.arange(len(self), device=self.parent.device) // self.width + 1
 
+    def ancestry(self) -> torch.Tensor:
+        """[B, N, N] bool: [b, n, m] is True when m is n or one of its ancestors in row b."""
+        b, n = self.parent.shape
+        anc = torch.eye(n, dtype=torch.bool, device=self.parent.device).expand(b, n, n).clone()
+        for i in range(self.width, n):  # depth-major: a parent's row is final before its children's
+            anc[:, i] |= anc[torch.arange(b), self.parent[:, i]]
+        return anc
 
-def nodes(drafts: torch.Tensor, alternatives: torch.Tensor) -> torch.Tensor:
-    """drafts [B, k], alternatives [B, k, c-1] -> node tokens [B, k * c] in the order of
-    `Tree.chain_with_alternatives(k, c)`."""
-    return torch.cat([drafts, alternatives.flatten(1)], dim=1)
+    def cut(self, depth: int) -> Tree:
+        """The nodes of depth <= `depth` (a prefix)."""
+        return Tree(self.parent[:, : depth * self.width], self.width)
 
 
-def restrict(inputs: dict, pending: int, tree: Tree) -> dict:
-    """A layout's model kwargs for `pending + len(tree)` new columns (consecutive positions, causal
-    mask) -> the same for a tree forward: node n at the position of its depth past the last pending
-    column, attending to the committed tokens and to its ancestors among the nodes.
+def limit_view(inputs: dict, first: int, visible: torch.Tensor, positions: torch.Tensor) -> dict:
+    """A layout's model kwargs for q new columns (written at consecutive slots after the earlier
+    ones) -> the same where new columns first .. q - 1 see, of the last R written columns (the new
+    ones the last of them), only those where visible [B, q - first, R] is True, and everything
+    before those R; their position ids become `positions` [B, q - first].
 
     The mask is a layout's 2-D padding mask [B, L] (new columns are its last ones) or its 4-D mask
     [B, 1, q, span] over slots, with the new columns written at slots `position_ids` (ragged)."""
-    positions = inputs["position_ids"]
-    b, q = positions.shape
-    n, device = len(tree), positions.device
-    anc = tree.ancestry(device)
-    depth = torch.tensor(tree.depth(), device=device)
+    slots = inputs["position_ids"]
+    b, q = slots.shape
+    r, device = visible.shape[2], slots.device
     mask = inputs["attention_mask"]
     if mask.dim() == 2:
         width = mask.shape[1]
         cols = torch.arange(width, device=device)
         rows = torch.arange(width - q, width, device=device)
         mask = (mask.bool()[:, None, :] & (cols[None, None, :] <= rows[None, :, None]))[:, None].clone()
-        mask[:, 0, pending:, width - n :] = anc
+        mask[:, 0, first:, width - r :] = visible
     else:
         mask = mask.clone()
-        slots = positions[:, pending:]  # [B, N]: where each row's nodes are written
-        mask[:, 0, pending:].scatter_(2, slots[:, None, :].expand(b, n, n), anc.expand(b, n, n))
-    tree_positions = positions.clone()
-    tree_positions[:, pending:] = positions[:, pending - 1 : pending] + depth
-    return {**inputs, "attention_mask": mask, "position_ids": tree_positions}
+        region = slots[:, -1:] - r + 1 + torch.arange(r, device=device)  # [B, R]: the last R slots written
+        mask[:, 0, first:].scatter_(2, region[:, None, :].expand(b, q - first, r), visible)
+    new_positions = slots.clone()
+    new_positions[:, first:] = positions
+    return {**inputs, "attention_mask": mask, "position_ids": new_positions}
+
+
+def restrict(inputs: dict, pending: int, tree: Tree) -> dict:
+    """A layout's model kwargs for `pending + len(tree)` new columns (consecutive positions, causal
+    mask) -> the same for a tree forward: node n at the position of its depth past the last pending
+    column, attending to the committed tokens and to its ancestors among the nodes."""
+    last = inputs["position_ids"][:, pending - 1 : pending]
+    return limit_view(inputs, pending, tree.ancestry(), last + tree.depth()[None, :])
 
 
 def accept(tokens: torch.Tensor, tree: Tree, choice: torch.Tensor, limit: torch.Tensor | None = None):
@@ -100,22 +107,22 @@ def accept(tokens: torch.Tensor, tree: Tree, choice: torch.Tensor, limit: torch.
     A node is kept when it and all its ancestors equal the target's pick at their parents; a row
     keeps its deepest kept node (the first in node order on a tie) and the path to it. Outcome
     tokens [B, k+1]: the path's tokens, then the target's pick at its end. path[b, j] is the node
-    at depth j + 1 of row b's path (the chain node j beyond num_accepted: never read)."""
-    depth = torch.tensor(tree.depth(), device=tokens.device)
+    at depth j + 1 of row b's path (beyond num_accepted: the depth's first node, never read)."""
     assert len(tree) > 0, "a tree has at least one node"
-    parent_col = torch.tensor([p + 1 for p in tree.parent], device=tokens.device)
-    matches = tokens == choice[:, parent_col]  # [B, N]: each node equals the pick at its parent
+    device = tokens.device
+    depth = tree.depth()
+    matches = tokens == choice.gather(1, tree.parent + 1)  # [B, N]: each node equals the pick at its parent
     if limit is not None:
-        matches &= depth[None, :] <= limit.to(tokens.device)[:, None]
-    anc = tree.ancestry(tokens.device)
-    kept = ~((~matches).long() @ anc.long().T).bool()  # no ancestor-or-self mismatches
-    n, k = len(tree), int(depth.max())
-    score = torch.where(kept, depth * (n + 1) + (n - torch.arange(n, device=tokens.device)), 0)
+        matches &= depth[None, :] <= limit.to(device)[:, None]
+    anc = tree.ancestry()
+    kept = ~(anc & ~matches[:, None, :]).any(dim=2)  # no ancestor-or-self mismatches
+    n, k = len(tree), tree.depths
+    score = torch.where(kept, depth * (n + 1) + (n - torch.arange(n, device=device)), 0)
     best_score, best = score.max(dim=1)
     num_accepted = best_score // (n + 1)
-    path = torch.arange(k, device=tokens.device).expand(tokens.shape[0], k).clone()
-    rows, cols = (anc[best] & kept).nonzero(as_tuple=True)  # each row's kept node and its ancestors
-    path[rows, depth[cols] - 1] = cols
+    path = (torch.arange(k, device=device) * tree.width).expand(tokens.shape[0], k).clone()
+    rows, cols = (anc[torch.arange(len(best), device=device), best] & kept).nonzero(as_tuple=True)
+    path[rows, depth[cols] - 1] = cols  # each row's kept node and its ancestors
     out = torch.cat([tokens.gather(1, path), tokens.new_zeros(tokens.shape[0], 1)], dim=1)
     end = torch.where(num_accepted > 0, path.gather(1, (num_accepted - 1).clamp(min=0)[:, None])[:, 0] + 1, 0)
     out.scatter_(1, num_accepted[:, None], choice.gather(1, end[:, None]))
