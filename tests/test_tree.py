@@ -72,8 +72,14 @@ def test_accept_walks_the_tree(k, c, rows, seed, data):
         assert [int(tokens[b, n]) for n in nodes] == want[:-1]
 
 
+def chain_with_alternatives(k: int, c: int) -> Tree:
+    """At each depth a chain's node first (parent: the chain node one up), then c - 1 leaves
+    beside it (same parent): the tree of a chain and its next-best tokens."""
+    return Tree(torch.tensor([[(d - 1) * c if d else -1 for d in range(k) for _ in range(c)]]), c)
+
+
 def test_chain_with_alternatives_shape():
-    tree = Tree.chain_with_alternatives(3, 3)
+    tree = chain_with_alternatives(3, 3)
     assert tree.parent.tolist() == [[-1, -1, -1, 0, 0, 0, 3, 3, 3]]
     assert tree.depth().tolist() == [1, 1, 1, 2, 2, 2, 3, 3, 3]
     anc = tree.ancestry()[0]
@@ -84,7 +90,7 @@ def test_chain_with_alternatives_shape():
 def test_restrict_padded_and_slot_masks():
     """The same tree, fed after one pending token, in a padded row (2-D mask, new columns last)
     and in a ragged row (4-D mask over slots): nodes see the prefix and their ancestors only."""
-    tree = Tree.chain_with_alternatives(2, 2)  # nodes: d1, leaf@1, d2, leaf@2
+    tree = chain_with_alternatives(2, 2)  # nodes: d1, leaf@1, d2, leaf@2
     q = 1 + len(tree)
     padded = {"attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]]), "position_ids": torch.arange(2, 2 + q)[None]}
     out = restrict(padded, 1, tree)

@@ -81,7 +81,7 @@ class SpecDecoder:
         if self.config.branches > 1:
             if methods.get(self.config.method).broken:
                 raise BatchspecError(f"method {self.config.method!r} verifies chains only; use --branches 1")
-            proposer.rewinds = True  # a leaf's token is never in the draft's cache: re-fed next step
+            proposer.rewinds = True  # most of a tree's tokens are never in the draft's cache: re-fed next step
         return proposer
 
     def _eagle_proposer(self) -> EagleProposer:

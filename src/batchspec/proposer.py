@@ -82,6 +82,7 @@ class DraftProposer:
         self.branches = branches  # nodes per depth: > 1 drafts a tree (tree.py)
         self.vocab_size = vocab_size  # the target's vocabulary (size of noise's last dim)
         self.vocab_ids = vocab_ids  # [V_head] head index -> full id, or None for a full head
+        self._index = None  # full id -> head index (-1: none), built when a tree first needs it
 
     def propose(
         self, batch: Layout, k: int, params: RowParams, noise: torch.Tensor | None, stop: StopRule | None = None
@@ -180,10 +181,10 @@ class DraftProposer:
         """Full ids [B] -> the model's own vocabulary index (-1 where it has none)."""
         if self.vocab_ids is None:
             return ids
-        if getattr(self, "_index", None) is None:
-            self._index = torch.full((int(self.vocab_ids.max()) + 1,), -1, dtype=torch.long, device=ids.device)
+        if self._index is None:
+            self._index = torch.full((self.vocab_size,), -1, dtype=torch.long, device=ids.device)
             self._index[self.vocab_ids.to(ids.device)] = torch.arange(len(self.vocab_ids), device=ids.device)
-        return torch.where(ids < len(self._index), self._index[ids.clamp(max=len(self._index) - 1)], -1)
+        return self._index[ids]
 
     def _scores(self, logits: torch.Tensor, params: RowParams, noise: torch.Tensor | None):
         """logits [B, m, V_head] -> (ranking scores, the confidence probabilities) [B, m, V_head]:

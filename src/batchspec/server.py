@@ -334,7 +334,7 @@ def build_service(args) -> Service:
         prefill_chunk=args.prefill_chunk,
     )
     k = 0 if args.no_spec else config.k_max
-    slots = k * config.branches  # draft slots a step may write per row (a tree's leaves too)
+    slots = k * config.branches  # draft slots a step may write per row (every node of a tree)
     if args.kv_budget_tokens is not None and args.kv_budget_tokens < slots + 2:
         raise BatchspecError(f"--kv-budget must leave room for a prompt token and {slots + 1} draft slots")
     pair = load_models(args)

@@ -256,7 +256,7 @@ class Adaptive:
         self.any_bin = _shrunk(self.hits.sum(0, keepdim=True), self.seen.sum(0, keepdim=True), any_prior)[0]
 
     def _columns(self, width: int) -> int:
-        """Columns a verification of `width` chain drafts feeds per row: the tree's leaves too."""
+        """Columns a verification of `width` drafts feeds per row: every node of a tree of that depth."""
         return 1 + width * self.branches
 
     def _ratios(self, seqs) -> torch.Tensor:

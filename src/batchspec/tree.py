@@ -34,13 +34,6 @@ class Tree:
     parent: torch.Tensor
     width: int
 
-    @staticmethod
-    def chain_with_alternatives(k: int, c: int, rows: int = 1) -> Tree:
-        """At each depth the chain's node first (parent: the chain node one up), then c - 1 leaves
-        beside it (same parent)."""
-        chain = torch.tensor([(d - 1) * c if d else -1 for d in range(k) for _ in range(c)])
-        return Tree(chain.expand(rows, -1).clone(), c)
-
     def __len__(self) -> int:
         return self.parent.shape[1]
 
