@@ -128,10 +128,11 @@ def test_reduced_head_samples_its_full_vocabulary_distribution(pair):
     torch.testing.assert_close(confidence, full.gather(1, tokens[:, None])[:, 0])
 
 
-def test_default_pair_proposes_with_the_head_and_keeps_the_others(pair):
-    # The measured choice (docs/benchmarks.md, "Current numbers"): the head by default in float32,
-    # prompt lookup in bfloat16, the others on request.
-    assert SpecDecoder(pair, method="eqspec").proposer_name == "eagle"
+def test_default_pair_proposes_lookup_first_with_the_head_and_keeps_the_others(pair):
+    # The measured choice (docs/benchmarks.md, "Current numbers", "Beam trees"): lookup first and the
+    # head elsewhere by default in float32, prompt lookup in bfloat16, the others on request.
+    assert SpecDecoder(pair, method="eqspec").proposer_name == "ngram+eagle"
+    assert SpecDecoder(pair, method="eqspec", proposer="eagle").proposer_name == "eagle"
     assert SpecDecoder(pair, method="eqspec", proposer="ngram").proposer_name == "ngram"
     assert load_pair("default", dtype="bfloat16").default_proposer == "ngram"
     assert isinstance(SpecDecoder(pair, method="eqspec", proposer="draft").proposer.model, SmolDraft)
