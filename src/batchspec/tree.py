@@ -50,7 +50,7 @@ class Tree:
         b, n = self.parent.shape
         anc = torch.eye(n, dtype=torch.bool, device=self.parent.device).expand(b, n, n).clone()
         for i in range(self.width, n):  # depth-major: a parent's row is final before its children's
-            anc[:, i] |= anc[torch.arange(b), self.parent[:, i]]
+            anc[:, i] |= anc[torch.arange(b, device=anc.device), self.parent[:, i]]
         return anc
 
     def cut(self, depth: int) -> Tree:
