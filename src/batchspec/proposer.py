@@ -126,7 +126,7 @@ class DraftProposer:
         mark = batch.mark(role)
         last = torch.tensor([len(s) - 1 for s in batch.seqs], device=logits.device)  # the roots' positions
         cum = torch.zeros(b, 1, device=logits.device)
-        nodes, parents, beams, bins, anc = [], [], [], [], None
+        nodes, parents, beams, bins = [], [], [], []
         for d in range(k):  # nodes of depth d + 1 from the logits of depth d's (the root's at d = 0)
             force = None if forced is None else (forced[0][:, d], forced[1] > d)
             cum, beam, tokens, best = self._expand(cum, logits, params, None if noise is None else noise[:, d], force)
@@ -134,12 +134,12 @@ class DraftProposer:
             parents.append(beam - 1 if d == 0 else beam + (d - 1) * c)  # -1: the root
             beams.append(beam)
             bins.append((best * self.bins).long().clamp(max=self.bins - 1))
-            anc = _grow(anc, parents[-1], c)
             if d == k - 1 or (stop is not None and stop(d, torch.stack(bins, dim=1))):
                 break
             carry = None if feats is None else feats.gather(1, beam[:, :, None].expand(-1, -1, feats.shape[2]))
             at = (last + d + 1)[:, None].expand(b, c)  # the new nodes' positions
-            view = partial(limit_view, first=0, visible=anc[:, -c:], positions=at)
+            visible = Tree(torch.cat(parents, dim=1), c).ancestry()[:, -c:]  # the new nodes' ancestors
+            view = partial(limit_view, first=0, visible=visible, positions=at)
             logits, feats = self._feed(batch, tokens, carry, view)
         batch.rewind(role, mark)
         chain, slot = [], torch.zeros(b, 1, dtype=torch.long, device=last.device)
@@ -194,9 +194,8 @@ class DraftProposer:
         if noise is None:
             return logp, logp.exp()
         probs = probabilities(logits, params)
-        head_noise = noise if self.vocab_ids is None else noise[:, self.vocab_ids.to(noise.device)]
         greedy = (params.temperature.to(logits.device) == 0)[:, None, None]
-        sampled = probs.log() + head_noise[:, None, :].to(probs.device)
+        sampled = probs.log() + self._head_noise(noise)[:, None, :].to(probs.device)
         return torch.where(greedy, logp, sampled), torch.where(greedy, logp.exp(), probs)
 
     def feed(self, batch: Layout, ids: torch.Tensor) -> torch.Tensor:
@@ -220,10 +219,13 @@ class DraftProposer:
             idx = logits.argmax(dim=-1)
         else:
             probs = probabilities(logits, params)
-            head_noise = noise if self.vocab_ids is None else noise[:, self.vocab_ids.to(noise.device)]
-            idx = choose(probs, head_noise)
+            idx = choose(probs, self._head_noise(noise))
             soft = torch.where(params.temperature.to(soft.device)[:, None] == 0, soft, probs)
         return self._to_full(idx), soft.gather(-1, idx[:, None]).squeeze(-1)
+
+    def _head_noise(self, noise: torch.Tensor) -> torch.Tensor:
+        """noise [B, V] over the full vocabulary -> [B, V_head], the model's own ids' columns."""
+        return noise if self.vocab_ids is None else noise[:, self.vocab_ids.to(noise.device)]
 
     def _to_full(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.vocab_ids is None else self.vocab_ids[idx]
@@ -307,19 +309,6 @@ class LookupFirst:
         drafts = torch.where(take[:, None], found.drafts[:, :j], drafted.drafts)
         signal = torch.where(take[:, None], mine[:, :j], drafted.signal)
         return Proposal(drafts, counts, signal)
-
-
-def _grow(anc: torch.Tensor | None, parent: torch.Tensor, c: int) -> torch.Tensor:
-    """The ancestry [B, n, n] of a tree's nodes so far (None: none yet) -> with the next depth's c
-    nodes, whose parents are `parent` [B, c] (-1: the root) -> [B, n + c, n + c]."""
-    b = parent.shape[0]
-    eye = torch.eye(c, dtype=torch.bool, device=parent.device).expand(b, c, c)
-    if anc is None:
-        return eye.clone()
-    n = anc.shape[1]
-    rows = anc[torch.arange(b, device=parent.device)[:, None], parent]  # [B, c, n]: each parent's ancestry
-    top = torch.cat([anc, anc.new_zeros(b, n, c)], dim=2)
-    return torch.cat([top, torch.cat([rows, eye], dim=2)], dim=1)
 
 
 class NgramProposer:
