@@ -185,10 +185,10 @@ def test_generate_cli_writes_results_in_input_order(tmp_path, capsys):
 
 
 def test_bench_runs_chains_and_trees_side_by_side(tmp_path, capsys):
-    """--branches 1,2 runs every speculative configuration as a chain and as a tree in one run;
+    """--branches 1,2,3x1 runs every speculative configuration as a chain and as trees in one run;
     the cost table covers a tree's 1 + k * branches columns; verify refuses a list."""
     out = tmp_path / "b.json"
-    argv = ["--pair", "tiny", "--methods", "ar,spec1", "--batch-sizes", "1", "-k", "2", "--branches", "1,2"]
+    argv = ["--pair", "tiny", "--methods", "ar,spec1", "--batch-sizes", "1", "-k", "2", "--branches", "1,2,3x1"]
     rc = main(["bench", *argv, "--proposer", "eagle", "--max-new-tokens", "8", "--quiet", "--json", str(out), "a b"])
     assert rc == 0
     report = json.loads(out.read_text())
@@ -196,10 +196,13 @@ def test_bench_runs_chains_and_trees_side_by_side(tmp_path, capsys):
         ("ar", None, None),
         ("spec1", 2, 1),
         ("spec1", 2, 2),
+        ("spec1", 2, [3, 1]),
     ]
-    assert report["branches"] == [1, 2] and max(map(int, report["costs"]["target_ms"]["1"])) >= 5
-    chain, tree = report["runs"][1:]
+    assert report["branches"] == [1, 2, [3, 1]] and max(map(int, report["costs"]["target_ms"]["1"])) >= 5
+    chain, tree, narrowing = report["runs"][1:]
     assert tree["vs_spec1"] == 1.0 and chain["vs_spec1"] == 1.0  # each against spec1 of its own shape
-    assert " 2/2 " in capsys.readouterr().out
+    assert narrowing["vs_spec1"] == 1.0
+    printed = capsys.readouterr().out
+    assert " 2/2 " in printed and " 2/3x1 " in printed
     assert main(["verify", *argv, "--quiet", "a b"]) == 2
     assert "one --branches value" in capsys.readouterr().err

@@ -109,7 +109,7 @@ def test_any_choice_of_k_per_step_equals_reference(one_layer, seed, method, batc
     assert got == reference_tokens(one_layer, prompts, 24)
 
 
-@pytest.mark.parametrize("branches", [1, 3])  # 3: a draft tree (tree.py)
+@pytest.mark.parametrize("branches", [1, 3, (3, 1)])  # 3, 3x1: draft trees (tree.py)
 @pytest.mark.parametrize("method", METHODS)
 def test_seeded_sampling_equals_reference(one_layer, method, branches):
     prompts = random_prompts(8, 5, 1, 30)

@@ -107,6 +107,8 @@ def test_unreachable_hub_is_explained(monkeypatch):
         (["generate", "--pair", "tiny", "--temperature", "-1", "hi"], "temperature must be >= 0"),
         (["generate", "--pair", "tiny", ""], "empty prompt"),
         (["generate", "--pair", "tiny", "--prompts", "/nonexistent.jsonl"], "prompt file not found"),
+        (["generate", "--pair", "tiny", "--proposer", "eagle", "--branches", "4x0", "hi"], "branches .* integer >= 1"),
+        (["bench", "--pair", "tiny", "--branches", "1,3xb", "hi"], "--branches: expected .* like 4x2x1, got '3xb'"),
     ],
 )
 def test_cli_errors_are_one_line(capsys, argv, message):

@@ -1,4 +1,4 @@
-"""Draft trees (`--branches C`): acceptance against a plain walk of the tree, the tree forward's
+"""Draft trees (`--branches C` or `C1xC2x..`): acceptance against a plain walk of the tree, the tree forward's
 mask and positions, the drafters' beams against the same beam computed one path at a time, and
 every method equal to `reference` with the head's and the draft's trees verified (greedy, any k
 per step; seeded sampling: test_eagle.py), with the invariant checker on after every step."""
@@ -17,7 +17,7 @@ from batchspec.batch import PaddedBatch
 from batchspec.errors import BatchspecError
 from batchspec.invariants import InvariantError
 from batchspec.ragged import RaggedBatch
-from batchspec.tree import Tree, accept, restrict
+from batchspec.tree import Tree, accept, columns, depth_widths, restrict
 
 METHODS = ("spec1", "eqspec", "exspec", "ragged")
 
@@ -45,17 +45,19 @@ def walk(tokens: list[int], parent: list[int], depth: list[int], choice: list[in
 
 
 @given(
-    k=st.integers(1, 5),
-    c=st.integers(1, 4),
+    widths=st.lists(st.integers(1, 4), min_size=1, max_size=5),
     rows=st.integers(1, 4),
     seed=st.integers(0, 10**6),
     data=st.data(),
 )
-def test_accept_walks_the_tree(k, c, rows, seed, data):
-    """Any tree of c nodes per depth, each row's parents its own (drawn at random one depth up)."""
+def test_accept_walks_the_tree(widths, rows, seed, data):
+    """Any tree of C_d nodes at depth d, each row's parents its own (drawn at random one depth up)."""
     gen = torch.Generator().manual_seed(seed)
-    up = torch.randint(0, c, (rows, k, c), generator=gen) + ((torch.arange(k) - 1) * c)[None, :, None]
-    tree = Tree(torch.where(torch.arange(k)[None, :, None] == 0, -1, up).flatten(1), c)
+    k, starts = len(widths), [sum(widths[:d]) for d in range(len(widths))]
+    parents = [torch.full((rows, widths[0]), -1)] + [
+        starts[d - 1] + torch.randint(0, widths[d - 1], (rows, widths[d]), generator=gen) for d in range(1, k)
+    ]
+    tree = Tree(torch.cat(parents, dim=1), tuple(widths))
     tokens = torch.randint(0, 3, (rows, len(tree)), generator=gen)  # 3 ids: matches and ties are common
     choice = torch.randint(0, 3, (rows, len(tree) + 1), generator=gen)
     limit = torch.tensor(data.draw(st.lists(st.integers(0, k), min_size=rows, max_size=rows)))
@@ -75,7 +77,7 @@ def test_accept_walks_the_tree(k, c, rows, seed, data):
 def chain_with_alternatives(k: int, c: int) -> Tree:
     """At each depth a chain's node first (parent: the chain node one up), then c - 1 leaves
     beside it (same parent): the tree of a chain and its next-best tokens."""
-    return Tree(torch.tensor([[(d - 1) * c if d else -1 for d in range(k) for _ in range(c)]]), c)
+    return Tree(torch.tensor([[(d - 1) * c if d else -1 for d in range(k) for _ in range(c)]]), (c,) * k)
 
 
 def test_chain_with_alternatives_shape():
@@ -85,6 +87,15 @@ def test_chain_with_alternatives_shape():
     anc = tree.ancestry()[0]
     assert anc[7].nonzero().flatten().tolist() == [0, 3, 7]  # a depth-3 leaf sees the chain above it and itself
     assert len(tree.cut(2)) == 6 and tree.cut(2).parent.tolist() == [[-1, -1, -1, 0, 0, 0]]
+
+
+def test_widths_per_depth():
+    assert depth_widths(3, 4) == (3, 3, 3, 3) and columns(3, 4) == 12
+    assert depth_widths((4, 2, 1), 5) == (4, 2, 1, 1, 1) and columns((4, 2, 1), 2) == 6
+    tree = Tree(torch.tensor([[-1, -1, -1, 0, 1, 3]]), (3, 2, 1))
+    assert tree.depth().tolist() == [1, 1, 1, 2, 2, 3] and tree.starts() == [0, 3, 5]
+    assert tree.ancestry()[0, 5].nonzero().flatten().tolist() == [0, 3, 5]
+    assert tree.cut(2).widths == (3, 2) and len(tree.cut(2)) == 5
 
 
 def test_restrict_padded_and_slot_masks():
@@ -119,18 +130,22 @@ def test_restrict_padded_and_slot_masks():
     ]
 
 
+BRANCHES = st.one_of(st.integers(2, 4), st.lists(st.integers(1, 4), min_size=2, max_size=4).map(tuple))
+
+
 @given(
     seed=st.integers(0, 10**6),
     n=st.integers(1, 6),
     batch=st.integers(1, 4),
     k=st.integers(1, 5),
-    c=st.integers(2, 4),
+    branches=BRANCHES,
     method=st.sampled_from(METHODS),
 )
-def test_head_tree_equals_reference(one_layer, seed, n, batch, k, c, method):
+def test_head_tree_equals_reference(one_layer, seed, n, batch, k, branches, method):
+    """C nodes per depth, or C_d at depth d (narrowing, widening, chains between)."""
     prompts = random_prompts(seed, n, 1, 48)
     got, _ = decode_checked(
-        one_layer, prompts, SamplingParams(max_new_tokens=24), method=method, batch_size=batch, k=k, branches=c
+        one_layer, prompts, SamplingParams(max_new_tokens=24), method=method, batch_size=batch, k=k, branches=branches
     )
     assert got == reference_tokens(one_layer, prompts, 24)
 
@@ -181,7 +196,7 @@ def test_checker_sees_a_leaf_left_in_place(one_layer, monkeypatch, method, layou
 
 
 def test_bad_branches_are_refused(tiny64):
-    for bad in (0, -1, 1.5):
+    for bad in (0, -1, 1.5, (), (2, 0), (2, 1.5)):
         with pytest.raises(BatchspecError, match="branches"):
             SpecDecoder(tiny64, proposer="eagle", branches=bad)
     with pytest.raises(BatchspecError, match="model proposer"):
@@ -208,13 +223,13 @@ def one_path_at_a_time(proposer, batch):
     return children
 
 
-def beam(children, b: int, depths: int, c: int, to_full, forced=None) -> list[list[torch.Tensor]]:
-    """The beam spelled out: per depth, the c paths [B, d] (best first) with the best cumulative
-    log-probability among the c best children of each path one depth up. forced (tokens [B, k],
-    counts [B]): row r's first counts[r] depths put the path of those tokens first (score 0), then
-    the c - 1 best others."""
+def beam(children, b: int, widths: tuple[int, ...], to_full, forced=None) -> list[list[torch.Tensor]]:
+    """The beam spelled out: per depth d, the c = widths[d] paths [B, d] (best first) with the best
+    cumulative log-probability among the c best children of each path one depth up. forced (tokens
+    [B, k], counts [B]): row r's first counts[r] depths put the path of those tokens first (score
+    0), then the c - 1 best others."""
     paths, cums, out = [torch.zeros(b, 0, dtype=torch.long)], torch.zeros(b, 1, dtype=torch.float64), []
-    for d in range(depths):
+    for d, c in enumerate(widths):
         scores = torch.stack([children(p) for p in paths], dim=1) + cums[:, :, None]  # [B, m, V_head]
         top, idx = scores.topk(c, dim=-1)
         cand = [
@@ -247,11 +262,11 @@ def node_path(tree: Tree, nodes: torch.Tensor, node: int) -> torch.Tensor:
     return torch.cat(cols, dim=1)
 
 
-@pytest.mark.parametrize("proposer", ["eagle", "draft", "ngram+eagle"])
+@pytest.mark.parametrize("proposer, branches", [("eagle", 3), ("draft", 3), ("ngram+eagle", 3), ("eagle", (3, 2, 1))])
 @pytest.mark.parametrize("method", ["spec1", "eqspec", "ragged"])
-def test_tree_drafting_equals_one_path_at_a_time(tiny64, monkeypatch, proposer, method):
-    """Every tree the head or the draft builds (C = 3, k = 4; with lookup first, around the lookup
-    chain) is the beam recomputed by feeding each node's path as a plain chain, and every tree
+def test_tree_drafting_equals_one_path_at_a_time(tiny64, monkeypatch, proposer, branches, method):
+    """Every tree the head or the draft builds (C = 3 or 3x2x1, k = 4; with lookup first, around
+    the lookup chain) is the beam recomputed by feeding each node's path as a plain chain, and every tree
     forward's logits are those of each node's own chain: its masks and positions are right in
     every layout."""
     from batchspec.proposer import DraftProposer
@@ -270,21 +285,29 @@ def test_tree_drafting_equals_one_path_at_a_time(tiny64, monkeypatch, proposer, 
         self._feed = recording
         got = original(self, batch, k, params, noise, stop, forced)
         del self._feed
-        c, children = self.branches, one_path_at_a_time(self, batch)
+        widths, starts, children = got.tree.widths, got.tree.starts(), one_path_at_a_time(self, batch)
         for d, logp in enumerate(fed):  # the forward of depth d + 1's nodes
-            for j in range(c):
-                want = children(node_path(got.tree, got.nodes, d * c + j))
+            for j in range(widths[d]):
+                want = children(node_path(got.tree, got.nodes, starts[d] + j))
                 torch.testing.assert_close(logp[:, j], want, rtol=0, atol=1e-9)
-        for d, paths in enumerate(beam(children, len(batch.seqs), got.tree.depths, c, self._to_full, forced)):
+        for d, paths in enumerate(beam(children, len(batch.seqs), widths, self._to_full, forced)):
             for j, path in enumerate(paths):
-                assert node_path(got.tree, got.nodes, d * c + j).tolist() == path.tolist(), f"depth {d + 1}, node {j}"
+                got_path = node_path(got.tree, got.nodes, starts[d] + j)
+                assert got_path.tolist() == path.tolist(), f"depth {d + 1}, node {j}"
         checked.append((len(fed), 0 if forced is None else int((forced[1] > 0).sum())))
         return got
 
     monkeypatch.setattr(DraftProposer, "_propose_tree", checked_tree)
     prompts = random_prompts(5, 4, 1, 40, vocab=12 if "ngram" in proposer else 256)  # few ids: lookup matches
     got, _ = decode_checked(
-        tiny64, prompts, SamplingParams(max_new_tokens=12), proposer, method=method, batch_size=3, k=4, branches=3
+        tiny64,
+        prompts,
+        SamplingParams(max_new_tokens=12),
+        proposer,
+        method=method,
+        batch_size=3,
+        k=4,
+        branches=branches,
     )
     assert got == reference_tokens(tiny64, prompts, 12)
     assert sum(f for f, _ in checked) > 10

@@ -25,7 +25,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from . import methods
+from . import methods, tree
 from .config import EngineConfig, SamplingParams, model_proposer
 from .costs import cost_table, speed_of_light
 from .engine import SpecDecoder
@@ -126,7 +126,9 @@ def bench(
     drafter = {"draft": pair.draft, "eagle": pair.head}.get(model_proposer(name))  # a model to time
     has_draft = drafter is not None
     context = int(statistics.mean(len(p) for p in _encoded(pair, prompts)) + params.max_new_tokens / 2)
-    widths = max((EngineConfig(method=m, k=kk).k_max * br for m, _, kk, br in runs if kk is not None), default=0)
+    widths = max(
+        (tree.columns(br, EngineConfig(method=m, k=kk).k_max) for m, _, kk, br in runs if kk is not None), default=0
+    )
     costs = cost_table(pair.target, drafter, sorted({c[1] for c in runs}), widths, context)
     report_runs = [_summarise(*c, samples[c], costs, has_draft) for c in runs]
     _ratios(report_runs)
@@ -275,10 +277,14 @@ def table(report: dict) -> str:
 
 
 def setting(run: dict) -> str:
-    """A run's k, then "/C" for a draft tree of C branches ("-" for plain decoding)."""
+    """A run's k, then "/C" for a draft tree of C branches, "/C1xC2x.." for widths per depth ("-"
+    for plain decoding)."""
     if run["k"] is None:
         return "-"
-    return f"{run['k']}" + (f"/{run['branches']}" if (run.get("branches") or 1) > 1 else "")
+    branches = run.get("branches") or 1
+    if isinstance(branches, (list, tuple)):
+        return f"{run['k']}/" + "x".join(map(str, branches))
+    return f"{run['k']}" + (f"/{branches}" if branches > 1 else "")
 
 
 def plot(report: dict, path: str) -> None:

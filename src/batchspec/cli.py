@@ -29,7 +29,8 @@ PROPOSER_HELP = (
 )
 BRANCHES_HELP = (
     "candidates verified per draft position: 1 = a chain (default); C > 1 drafts a tree of C nodes per "
-    "depth (the model proposer's C most likely continuations at each depth), verified in one forward"
+    "depth (the model proposer's C most likely continuations at each depth), verified in one forward; "
+    "C1xC2x.. (e.g. 4x2x1): C_d nodes at depth d, the last repeated below"
 )
 K_HELP = (
     "draft tokens per row and step: N, or auto (default: chosen every step from measured costs, "
@@ -89,7 +90,7 @@ def _decode_options(p: argparse.ArgumentParser, one_method: bool) -> None:
         g.add_argument("-k", default="auto", help=K_HELP + "; a comma-separated list runs each value (bench)")
     g.add_argument("--proposer", choices=list(PROPOSERS), help=PROPOSER_HELP)
     if one_method:
-        g.add_argument("--branches", type=int, default=1, help=BRANCHES_HELP)
+        g.add_argument("--branches", type=branches_value, default=1, help=BRANCHES_HELP)
     else:
         list_help = BRANCHES_HELP + "; a comma-separated list runs each value (bench)"
         g.add_argument("--branches", default="1", help=list_help)
@@ -157,7 +158,7 @@ def _serve_parser(sub) -> None:
     g.add_argument("-k", type=k_value, default="auto", help=K_HELP)
     g.add_argument("--no-spec", action="store_true", help="plain decoding (k = 0) in the same engine")
     g.add_argument("--proposer", choices=list(PROPOSERS), help=PROPOSER_HELP)
-    g.add_argument("--branches", type=int, default=1, help=BRANCHES_HELP)
+    g.add_argument("--branches", type=branches_value, default=1, help=BRANCHES_HELP)
     g.add_argument("--batch-size", type=int, default=8, help="rows decoded together (default 8)")
     g.add_argument(
         "--kv-budget",
@@ -393,15 +394,22 @@ def k_value(text: str) -> int | str:
 
 def k_values(text: str) -> list:
     """-k for comparisons: 'auto', '4' or '4,auto'."""
+    return parse_list(str(text), k_value, "-k")
+
+
+def branches_value(text: str) -> int | tuple[int, ...]:
+    """--branches: "C" (C nodes at every depth) or "C1xC2x.." (per depth, the last repeated; range
+    checks are EngineConfig's)."""
     try:
-        return parse_list(str(text), k_value, "-k")
-    except argparse.ArgumentTypeError as err:
-        raise BatchspecError(f"-k: {err}") from None
+        widths = tuple(int(t) for t in str(text).strip().lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or per-depth widths like 4x2x1, got {text!r}") from None
+    return widths[0] if len(widths) == 1 else widths
 
 
-def branch_values(text: str) -> list[int]:
-    """--branches for comparisons: '1' or '1,3' (range checks are EngineConfig's)."""
-    return parse_list(str(text), int, "--branches")
+def branch_values(text: str) -> list:
+    """--branches for comparisons: '1', '1,3' or '1,4x2x1'."""
+    return parse_list(str(text), branches_value, "--branches")
 
 
 def parse_list(text: str, kind, flag: str) -> list:
@@ -409,7 +417,9 @@ def parse_list(text: str, kind, flag: str) -> list:
     items = [t.strip() for t in text.split(",") if t.strip()]
     try:
         values = [kind(t) for t in items]
-    except (ValueError, argparse.ArgumentTypeError):
+    except argparse.ArgumentTypeError as err:
+        raise BatchspecError(f"{flag}: {err}") from None
+    except ValueError:
         raise BatchspecError(f"{flag}: expected a comma-separated list of {kind.__name__}, got {text!r}") from None
     if not values:
         raise BatchspecError(f"{flag}: empty list")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from . import methods
+from . import methods, tree
 from .errors import BatchspecError
 from .speculation import AUTO_K_MAX
 
@@ -74,8 +74,9 @@ class EngineConfig:
 
     k: draft tokens per step (speculative methods): an integer >= 1, or "auto" (the default: each
     step chooses 0 .. AUTO_K_MAX per row from measured costs, speculation.py). branches: candidates
-    verified per draft position (1: a chain; c > 1: a draft tree of the proposer's c most likely
-    continuations at each depth, tree.py). batch_size: rows per forward pass.
+    verified per draft position (1: a chain; C > 1: a draft tree of the proposer's C most likely
+    continuations at each depth; a tuple (C_1, C_2, ..): C_d at depth d, the last repeated below;
+    tree.py). batch_size: rows per forward pass.
     window_size: EXSPEC's active pool (default 4 x batch_size). min_group: smallest same-length
     group EXSPEC runs without padding (default batch_size). kv_budget_tokens: KV tokens the
     ragged layout's rows may reserve together (default: its batch_size largest requests).
@@ -85,7 +86,7 @@ class EngineConfig:
     k: int | str = "auto"
     batch_size: int = 8
     proposer: str | None = None  # "draft" | "ngram" | "eagle"; None: the pair's default
-    branches: int = 1  # candidates verified per draft position: > 1 drafts a tree (tree.py)
+    branches: int | tuple[int, ...] = 1  # candidates per draft position (or per depth): > 1 drafts a tree (tree.py)
     window_size: int | None = None
     min_group: int | None = None
     kv_budget_tokens: int | None = None
@@ -98,11 +99,13 @@ class EngineConfig:
         methods.get(self.method)  # raises for an unknown name
         if self.k != "auto" and (not _is_int(self.k) or self.k < 1):
             raise BatchspecError(f"k (draft tokens per step) must be an integer >= 1 or 'auto', got {self.k!r}")
-        if not _is_int(self.branches) or self.branches < 1:
+        listed = self.branches if isinstance(self.branches, tuple) else (self.branches,)
+        if not listed or not all(_is_int(c) and c >= 1 for c in listed):
             raise BatchspecError(
-                f"branches (candidates per draft position) must be an integer >= 1, got {self.branches!r}"
+                "branches (candidates per draft position) must be an integer >= 1 or a tuple of them, one per "
+                f"depth, got {self.branches!r}"
             )
-        if self.branches > 1 and self.proposer == "ngram":
+        if tree.is_tree(self.branches) and self.proposer == "ngram":
             raise BatchspecError(
                 "--branches needs a model proposer (eagle, draft, ngram+...): n-gram lookup has no ranking"
             )

@@ -13,7 +13,7 @@ partly empty batches).
 
 from __future__ import annotations
 
-from . import methods
+from . import methods, tree
 from .costmodel import time_forward
 
 
@@ -39,17 +39,18 @@ def speed_of_light(
     chosen_k: dict[int, int],
     tokens_per_step: float,
     has_draft: bool,
-    branches: int = 1,
+    branches: int | tuple[int, ...] = 1,
 ) -> float:
     """Decode tokens/s of a full batch with zero overhead, at the measured tokens per step. With
     varying k (`auto`) each step is charged at the k its rows verified, weighted by the measured
-    histogram `chosen_k` {k: row steps}; a draft tree feeds 1 + k * branches columns."""
+    histogram `chosen_k` {k: row steps}; a draft tree feeds 1 + its k depths' nodes columns."""
     target = table["target"][batch]
     if not methods.get(method).speculative or not chosen_k:
         return batch / target[1]
     total = sum(chosen_k.values())
+    drafting = table["draft"][batch][1] if has_draft else 0.0
     step = sum(
-        n / total * ((k * table["draft"][batch][1] if has_draft else 0.0) + target[min(1 + k * branches, max(target))])
+        n / total * (k * drafting + target[min(1 + tree.columns(branches, k), max(target))])
         for k, n in chosen_k.items()
     )
     return batch * tokens_per_step / step

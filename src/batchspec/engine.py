@@ -11,7 +11,7 @@ from functools import partial
 import torch
 from tqdm.auto import tqdm
 
-from . import linears, methods, tp
+from . import linears, methods, tp, tree
 from .config import LOOKUP_FIRST, EngineConfig, SamplingParams, model_proposer
 from .detok import StopStrings
 from .errors import BatchspecError
@@ -78,7 +78,7 @@ class SpecDecoder:
                 f"{pair.draft.config.vocab_size}"
             )
         proposer = DraftProposer(pair.draft, pair.vocab_size, pair.draft_vocab_ids, self.config.branches)
-        if self.config.branches > 1:
+        if tree.is_tree(self.config.branches):
             if methods.get(self.config.method).broken:
                 raise BatchspecError(f"method {self.config.method!r} verifies chains only; use --branches 1")
             proposer.rewinds = True  # most of a tree's tokens are never in the draft's cache: re-fed next step

@@ -27,7 +27,7 @@ import torch
 
 from .eagle import Features
 from .sampling import RowParams, choose, probabilities
-from .tree import Tree, limit_view
+from .tree import Tree, depth_widths, is_tree, limit_view
 from .verifier import forward
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class Proposal:
     signal: torch.Tensor | None = None  # [B, k] long: each draft's confidence bin (0 .. proposer.bins - 1)
     forwards: int | None = None  # proposer calls it took; None: one per draft (a model), one (a lookup)
     tree: Tree | None = None  # a draft tree (tree.py) whose nodes hold `nodes`; drafts is one of its paths
-    nodes: torch.Tensor | None = None  # [B, k * tree.width] full-vocabulary ids
+    nodes: torch.Tensor | None = None  # [B, len(tree)] full-vocabulary ids
 
 
 #: Called by a proposer that drafts step by step, after draft i (0-based) with the bins so far
@@ -77,9 +77,11 @@ class DraftProposer:
     bins = 10
     rewinds = False  # forget the drafting forwards' cache entries after each proposal (a head's)
 
-    def __init__(self, model, vocab_size: int, vocab_ids: torch.Tensor | None = None, branches: int = 1):
+    def __init__(
+        self, model, vocab_size: int, vocab_ids: torch.Tensor | None = None, branches: int | tuple[int, ...] = 1
+    ):
         self.model = model
-        self.branches = branches  # nodes per depth: > 1 drafts a tree (tree.py)
+        self.branches = branches  # nodes per depth (C, or C_1, C_2, ..): more than 1 drafts a tree (tree.py)
         self.vocab_size = vocab_size  # the target's vocabulary (size of noise's last dim)
         self.vocab_ids = vocab_ids  # [V_head] head index -> full id, or None for a full head
         self._index = None  # full id -> head index (-1: none), built when a tree first needs it
@@ -89,9 +91,9 @@ class DraftProposer:
     ) -> Proposal:
         """Up to k tokens per row with as many forwards: the pending tokens first, then each new
         draft but the last (whose KV is never needed unless all are accepted; see realign.py's
-        lag). `stop` may end drafting early for the whole batch. With `branches` C > 1 (and a
-        cache it rewinds) a tree of C nodes per depth instead (`_propose_tree`)."""
-        if self.branches > 1 and self.rewinds:  # a kept cache would hold the chain's token, not a node's
+        lag). `stop` may end drafting early for the whole batch. With `branches` of more than one
+        node at some depth (and a cache it rewinds) a tree instead (`_propose_tree`)."""
+        if is_tree(self.branches) and self.rewinds:  # a kept cache would hold the chain's token, not a node's
             return self._propose_tree(batch, k, params, noise, stop)
         logits, carry = self._feed(batch, batch.pending(self.role))
         mark = batch.mark(self.role) if self.rewinds else None
@@ -116,12 +118,12 @@ class DraftProposer:
         stop: StopRule | None,
         forced: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Proposal:
-        """A beam of C = `branches` nodes per depth (`_expand`). Each depth's nodes are fed in one
+        """A beam of C_d nodes at depth d (`branches`, `_expand`). Each depth's nodes are fed in one
         forward, each seeing the committed tokens and its own ancestors (and, for the head, its
         parent's predicted feature). `forced` (tokens [B, k], counts [B]): row b's first counts[b]
         depths start with those tokens (lookup first's chain). Drafts: the path to the best
         deepest node; bins: the model's best node's at each depth."""
-        c, role, b = self.branches, self.role, len(batch.seqs)
+        widths, role, b = depth_widths(self.branches, k), self.role, len(batch.seqs)
         logits, feats = self._feed(batch, batch.pending(role))
         mark = batch.mark(role)
         last = torch.tensor([len(s) - 1 for s in batch.seqs], device=logits.device)  # the roots' positions
@@ -129,16 +131,17 @@ class DraftProposer:
         nodes, parents, beams, bins = [], [], [], []
         for d in range(k):  # nodes of depth d + 1 from the logits of depth d's (the root's at d = 0)
             force = None if forced is None else (forced[0][:, d], forced[1] > d)
-            cum, beam, tokens, best = self._expand(cum, logits, params, None if noise is None else noise[:, d], force)
+            c, depth_noise = widths[d], None if noise is None else noise[:, d]
+            cum, beam, tokens, best = self._expand(cum, logits, params, depth_noise, force, c)
             nodes.append(tokens)
-            parents.append(beam - 1 if d == 0 else beam + (d - 1) * c)  # -1: the root
+            parents.append(beam - 1 if d == 0 else beam + sum(widths[: d - 1]))  # -1: the root
             beams.append(beam)
             bins.append((best * self.bins).long().clamp(max=self.bins - 1))
             if d == k - 1 or (stop is not None and stop(d, torch.stack(bins, dim=1))):
                 break
             carry = None if feats is None else feats.gather(1, beam[:, :, None].expand(-1, -1, feats.shape[2]))
             at = (last + d + 1)[:, None].expand(b, c)  # the new nodes' positions
-            visible = Tree(torch.cat(parents, dim=1), c).ancestry()[:, -c:]  # the new nodes' ancestors
+            visible = Tree(torch.cat(parents, dim=1), widths[: d + 1]).ancestry()[:, -c:]  # the new nodes' ancestors
             view = partial(limit_view, first=0, visible=visible, positions=at)
             logits, feats = self._feed(batch, tokens, carry, view)
         batch.rewind(role, mark)
@@ -146,17 +149,16 @@ class DraftProposer:
         for token, beam in zip(reversed(nodes), reversed(beams)):  # back from the best deepest node
             chain.append(token.gather(1, slot))
             slot = beam.gather(1, slot)
-        tree = Tree(torch.cat(parents, dim=1), c)
+        tree = Tree(torch.cat(parents, dim=1), widths[: len(nodes)])
         drafts = torch.cat(chain[::-1], dim=1)
         return Proposal(drafts, signal=torch.stack(bins, dim=1), tree=tree, nodes=torch.cat(nodes, dim=1))
 
-    def _expand(self, cum: torch.Tensor, logits: torch.Tensor, params: RowParams, noise, force):
+    def _expand(self, cum: torch.Tensor, logits: torch.Tensor, params: RowParams, noise, force, c: int):
         """One depth of the beam: cum [B, m] (the m fed nodes' cumulative scores), their logits
         [B, m, V_head] -> the C children with the best cumulative score among the C best of each
         node: (cum [B, C], parent among the m [B, C], full ids [B, C], the model's probability of its
         best child [B]). force (tokens [B], rows [B]) or None: those rows' first node is that token,
         a child of node 0, scored as certain (0), beside the C - 1 best others."""
-        c = self.branches
         score, soft = self._scores(logits, params, noise)  # [B, m, V_head]
         top, idx = (cum[:, :, None] + score).topk(c, dim=-1)  # [B, m, c]: each node's c best children
         if force is not None:  # the forced token drafted by node 0 as well is the forced node itself
@@ -268,8 +270,8 @@ class LookupFirst:
     lookup's drafts leave no entries of the model's own drafts behind, and accepted tokens are fed
     to the model on the next step. Bins: the model's (0 .. model.bins - 1), then model.bins + the
     lookup's match length. In a chain the model is not called when every row takes the lookup's
-    drafts. In a draft tree (`branches` C > 1) a lookup row's first node at each depth is the
-    lookup's draft, beside the model's C - 1 best others, children of the lookup's nodes among
+    drafts. In a draft tree a lookup row's first node at each depth is the
+    lookup's draft, beside the model's C_d - 1 best others, children of the lookup's nodes among
     them (the model drafts from the lookup's chain too, which its beam ranks as certain): so the
     model's guesses count where the lookup's break, and continue it past its end."""
 
@@ -290,7 +292,7 @@ class LookupFirst:
     ) -> Proposal:
         found = self.lookup.propose(batch, k, params, noise)
         take = (found.num_proposed > 0) & (found.signal[:, 0] >= self.min_match)  # [B] rows that take lookup's
-        if bool(take.all()) and self.branches == 1:
+        if bool(take.all()) and not is_tree(self.branches):
             return Proposal(found.drafts, found.num_proposed, found.signal + self.inner.bins, forwards=0)
         mine = torch.where(take[:, None], found.signal + self.inner.bins, 0)  # [B, k]
 
@@ -298,7 +300,7 @@ class LookupFirst:
             return stop(i, torch.where(take[:, None], mine[:, : i + 1], bins))
 
         merged = None if stop is None else merged_stop
-        if self.branches > 1:  # a tree: the lookup chain first where a row takes it, the model's beam beside
+        if is_tree(self.branches):  # a tree: the lookup chain first where a row takes it, the model's beam beside
             counts = torch.where(take, found.num_proposed, 0)
             drafted = self.inner._propose_tree(batch, k, params, noise, merged, (found.drafts, counts))
             signal = torch.where(take[:, None], mine[:, : drafted.drafts.shape[1]], drafted.signal)

@@ -46,6 +46,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from . import tree
 from .costmodel import StepCost, probe, sync
 
 #: `-k auto`: the most drafts a row verifies in one step.
@@ -120,7 +121,7 @@ class Adaptive:
 
     def __init__(self, target, proposer, capacity: int, k_max: int = AUTO_K_MAX):
         self.k_max, self.proposer = k_max, proposer
-        self.branches = getattr(proposer, "branches", 1)  # a draft tree verifies 1 + width x branches
+        self.branches = getattr(proposer, "branches", 1)  # a draft tree verifies 1 + its nodes to that depth
         self.step_cost = StepCost(probe(target, capacity, self._columns(k_max)))
         cheap = proposer.model is None
         self.prop_cost = StepCost([] if cheap else probe(proposer.model, capacity, 1))
@@ -257,7 +258,7 @@ class Adaptive:
 
     def _columns(self, width: int) -> int:
         """Columns a verification of `width` drafts feeds per row: every node of a tree of that depth."""
-        return 1 + width * self.branches
+        return 1 + tree.columns(self.branches, width)
 
     def _ratios(self, seqs) -> torch.Tensor:
         return torch.tensor([self.ratio.get(s, 1.0) for s in seqs], dtype=torch.float64)

@@ -102,8 +102,8 @@ class Context:
 
     @property
     def slots(self) -> int:
-        """The most draft slots a row's verification writes: k, or k x branches for a draft tree."""
-        return self.k * max(1, getattr(self.proposer, "branches", 1))
+        """The most draft slots a row's verification writes: k, or a draft tree's nodes of k depths."""
+        return tree.columns(getattr(self.proposer, "branches", 1), self.k)
 
     def models(self) -> dict:
         """Models that keep a cache, by role: the target, and the draft if the proposer has one."""

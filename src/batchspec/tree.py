@@ -1,11 +1,12 @@
 """Draft trees: several candidates per position, verified in one target forward.
 
-A chain of k drafts is the tree with one node per depth. `Tree` holds C nodes per depth, depth by
-depth (nodes (d - 1) C .. d C - 1 at depth d), each node's parent one depth up, chosen per row. The
-proposers build it as a beam (proposer.py): at every depth the C most likely continuations of the
-tree so far, by the drafter's cumulative log-probability, each drafted from its own parent's
-predicted feature and cache entries (EAGLE-2's expansion, with C beams of C children). So a tree
-spends its k C columns where the drafter expects the target's path, not only beside one chain.
+A chain of k drafts is the tree with one node per depth. `Tree` holds C_d nodes at depth d (its
+`widths`, the same in every row), depth by depth, each node's parent one depth up, chosen per row.
+The proposers build it as a beam (proposer.py): at every depth the C_d most likely continuations of
+the tree so far, by the drafter's cumulative log-probability, each drafted from its own parent's
+predicted feature and cache entries (EAGLE-2's expansion). So a tree spends its columns where the
+drafter expects the target's path, not only beside one chain; widths that narrow with depth
+(`--branches 4x2x1`) spend them where acceptance is likeliest, the shallow depths.
 
 Verification feeds `[pending, nodes]`; a node sees the committed tokens and its own ancestors only
 (`restrict`: the mask and positions of a tree forward; `limit_view` for any run of written
@@ -25,37 +26,59 @@ import torch
 from .acceptance import Outcome
 
 
+def depth_widths(branches: int | tuple[int, ...], depths: int) -> tuple[int, ...]:
+    """Nodes per depth of a tree of `depths` depths: `branches` C at every depth, or per depth
+    (C_1, C_2, ...), the last repeated below the listed depths."""
+    listed = (branches,) if isinstance(branches, int) else tuple(branches)
+    return tuple(listed[min(d, len(listed) - 1)] for d in range(depths))
+
+
+def columns(branches: int | tuple[int, ...], depths: int) -> int:
+    """Draft columns a tree of `depths` depths feeds per row (a chain: `depths`)."""
+    return sum(depth_widths(branches, depths))
+
+
+def is_tree(branches: int | tuple[int, ...]) -> bool:
+    """More than one node at some depth (else a chain)."""
+    return max((branches,) if isinstance(branches, int) else branches) > 1
+
+
 @dataclass(frozen=True)
 class Tree:
     """parent [B, N] long: node n's parent in row b (-1: the root, the row's last committed token),
-    a node one depth up; `width` C nodes per depth, depth-major, so depth is the same in every row
-    and a prefix of the nodes is the tree cut at a depth (`cut`)."""
+    a node one depth up; `widths` (C_1, .., C_D) nodes per depth, depth-major (N = sum C_d), so
+    depth is the same in every row and a prefix of the nodes is the tree cut at a depth (`cut`)."""
 
     parent: torch.Tensor
-    width: int
+    widths: tuple[int, ...]
 
     def __len__(self) -> int:
         return self.parent.shape[1]
 
     @property
     def depths(self) -> int:
-        return len(self) // self.width
+        return len(self.widths)
+
+    def starts(self) -> list[int]:
+        """[D]: the first node of each depth (its best, as the proposers order a depth)."""
+        return [sum(self.widths[:d]) for d in range(self.depths)]
 
     def depth(self) -> torch.Tensor:
         """[N]: depth of each node (the root's children: 1)."""
-        return torch.arange(len(self), device=self.parent.device) // self.width + 1
+        counts = torch.tensor(self.widths, device=self.parent.device)
+        return torch.arange(1, self.depths + 1, device=counts.device).repeat_interleave(counts)
 
     def ancestry(self) -> torch.Tensor:
         """[B, N, N] bool: [b, n, m] is True when m is n or one of its ancestors in row b."""
         b, n = self.parent.shape
         anc = torch.eye(n, dtype=torch.bool, device=self.parent.device).expand(b, n, n).clone()
-        for i in range(self.width, n):  # depth-major: a parent's row is final before its children's
+        for i in range(self.widths[0], n):  # depth-major: a parent's row is final before its children's
             anc[:, i] |= anc[torch.arange(b, device=anc.device), self.parent[:, i]]
         return anc
 
     def cut(self, depth: int) -> Tree:
         """The nodes of depth <= `depth` (a prefix)."""
-        return Tree(self.parent[:, : depth * self.width], self.width)
+        return Tree(self.parent[:, : sum(self.widths[:depth])], self.widths[:depth])
 
 
 def limit_view(inputs: dict, first: int, visible: torch.Tensor, positions: torch.Tensor) -> dict:
@@ -113,7 +136,7 @@ def accept(tokens: torch.Tensor, tree: Tree, choice: torch.Tensor, limit: torch.
     score = torch.where(kept, depth * (n + 1) + (n - torch.arange(n, device=device)), 0)
     best_score, best = score.max(dim=1)
     num_accepted = best_score // (n + 1)
-    path = (torch.arange(k, device=device) * tree.width).expand(tokens.shape[0], k).clone()
+    path = torch.tensor(tree.starts(), device=device).expand(tokens.shape[0], k).clone()
     rows, cols = (anc[torch.arange(len(best), device=device), best] & kept).nonzero(as_tuple=True)
     path[rows, depth[cols] - 1] = cols  # each row's kept node and its ancestors
     out = torch.cat([tokens.gather(1, path), tokens.new_zeros(tokens.shape[0], 1)], dim=1)
