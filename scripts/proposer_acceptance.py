@@ -9,7 +9,8 @@ of one proposer forward against one target forward at batch 1 (one token over 30
         [--proposers ngram,draft,eagle,eagle/3] [--k 4] [--per-category 5] [--max-new-tokens 64] [--json OUT] \\
         [--head WEIGHTS.safetensors]   # another head than the shipped one (scripts/train_eagle.py --out)
 
-A proposer written NAME/C verifies a draft tree of C candidates per position (`--branches C`).
+A proposer written NAME/C verifies a draft tree of C candidates per position (`--branches C`),
+NAME/C1xC2x.. one of C_d nodes at depth d (`--branches C1xC2x..`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import time
 
 from batchspec import SamplingParams, SpecDecoder, load_pair
+from batchspec.cli import branches_value
 from batchspec.costs import forward_seconds
 from batchspec.eagle import load_head
 from batchspec.linears import tune_linears
@@ -49,7 +51,7 @@ def main() -> None:
     target_s = forward_seconds(pair.target, 1, 1, 300, 25)
     for name in args.proposers.split(","):
         proposer, _, branches = name.partition("/")
-        dec = SpecDecoder(pair, method="spec1", k=args.k, proposer=proposer, branches=int(branches or 1))
+        dec = SpecDecoder(pair, method="spec1", k=args.k, proposer=proposer, branches=branches_value(branches or "1"))
         per_cat, tokens, steps, start = {}, 0, 0, time.time()
         for cat, prompts in cats.items():
             outs = dec.generate(prompts, params)

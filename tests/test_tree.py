@@ -201,6 +201,8 @@ def test_bad_branches_are_refused(tiny64):
             SpecDecoder(tiny64, proposer="eagle", branches=bad)
     with pytest.raises(BatchspecError, match="model proposer"):
         SpecDecoder(tiny64, proposer="ngram", branches=2)
+    with pytest.raises(BatchspecError, match="model proposer"):
+        SpecDecoder(tiny64, proposer="ngram", branches=[1, 2])  # a list is widths per depth too
     with pytest.raises(BatchspecError, match="chains only"):
         SpecDecoder(tiny64, proposer="draft", method="bsp", branches=2)
 

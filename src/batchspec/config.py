@@ -99,6 +99,8 @@ class EngineConfig:
         methods.get(self.method)  # raises for an unknown name
         if self.k != "auto" and (not _is_int(self.k) or self.k < 1):
             raise BatchspecError(f"k (draft tokens per step) must be an integer >= 1 or 'auto', got {self.k!r}")
+        if isinstance(self.branches, list):  # widths per depth, however given
+            object.__setattr__(self, "branches", tuple(self.branches))
         listed = self.branches if isinstance(self.branches, tuple) else (self.branches,)
         if not listed or not all(_is_int(c) and c >= 1 for c in listed):
             raise BatchspecError(
