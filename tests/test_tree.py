@@ -150,11 +150,23 @@ def test_head_tree_equals_reference(one_layer, seed, n, batch, k, branches, meth
     assert got == reference_tokens(one_layer, prompts, 24)
 
 
-@given(seed=st.integers(0, 10**6), method=st.sampled_from(METHODS), proposer=st.sampled_from(["draft", "ngram+eagle"]))
-def test_draft_and_lookup_first_trees_equal_reference(tiny64, seed, method, proposer):
+@given(
+    seed=st.integers(0, 10**6),
+    method=st.sampled_from(METHODS),
+    proposer=st.sampled_from(["draft", "ngram+eagle"]),
+    branches=st.sampled_from([3, (1, 3), (3, 1)]),  # (1, 3): the lookup's chain alone at depth 1
+)
+def test_draft_and_lookup_first_trees_equal_reference(tiny64, seed, method, proposer, branches):
     prompts = random_prompts(seed, 5, 1, 40)
     got, _ = decode_checked(
-        tiny64, prompts, SamplingParams(max_new_tokens=20), proposer, method=method, batch_size=3, k=3, branches=3
+        tiny64,
+        prompts,
+        SamplingParams(max_new_tokens=20),
+        proposer,
+        method=method,
+        batch_size=3,
+        k=3,
+        branches=branches,
     )
     assert got == reference_tokens(tiny64, prompts, 20)
 
