@@ -129,10 +129,10 @@ def test_reduced_head_samples_its_full_vocabulary_distribution(pair):
 
 
 def test_default_pair_proposes_lookup_first_with_the_head_and_keeps_the_others(pair):
-    # The measured choice (docs/benchmarks.md, "Current numbers", "Beam trees"): lookup first and the
-    # head elsewhere by default in float32, prompt lookup in bfloat16, the others on request.
+    # The measured choice (docs/benchmarks.md, "Beam trees", "Widths per depth"): lookup first and the
+    # head elsewhere by default in float32 and bfloat16, the others on request.
     assert SpecDecoder(pair, method="eqspec").proposer_name == "ngram+eagle"
     assert SpecDecoder(pair, method="eqspec", proposer="eagle").proposer_name == "eagle"
     assert SpecDecoder(pair, method="eqspec", proposer="ngram").proposer_name == "ngram"
-    assert load_pair("default", dtype="bfloat16").default_proposer == "ngram"
+    assert load_pair("default", dtype="bfloat16").default_proposer == "ngram+eagle"
     assert isinstance(SpecDecoder(pair, method="eqspec", proposer="draft").proposer.model, SmolDraft)

@@ -224,12 +224,12 @@ def default_pair(dtype: torch.dtype, tp_size: int = 1) -> ModelPair:
     pair.draft_vocab_ids = pair.draft.vocab_ids
     if tp_size == 1 and os.path.exists(EAGLE_FILE):
         pair.head = load_head(target, dtype)
-    # Measured (docs/benchmarks.md, "Current numbers", "Beam trees"), ratios to `ar` under the default
-    # -k auto: in float32 the head beats prompt lookup (runs M, Q against L, P) and lookup first with
-    # the head elsewhere beats the head alone; in bfloat16 lookup beats the head (run N against R).
-    # A sharded target has no head.
-    head_first = pair.head is not None and dtype == torch.float32
-    pair.default_proposer = "ngram+eagle" if head_first else "ngram"
+    # Measured (docs/benchmarks.md, "Current numbers", "Beam trees", "Widths per depth"), ratios to
+    # `ar` under the default -k auto: in float32 the head beats prompt lookup (runs M, Q against L, P)
+    # and lookup first with the head elsewhere beats the head alone; in bfloat16 lookup beat the head
+    # alone (run N against R) and lookup first with the head elsewhere beat lookup alone at 3 of 4
+    # points (2026-12-02). A sharded target has no head.
+    pair.default_proposer = "ngram+eagle" if pair.head is not None else "ngram"
     return pair
 
 
