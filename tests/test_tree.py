@@ -158,16 +158,8 @@ def test_head_tree_equals_reference(one_layer, seed, n, batch, k, branches, meth
 )
 def test_draft_and_lookup_first_trees_equal_reference(tiny64, seed, method, proposer, branches):
     prompts = random_prompts(seed, 5, 1, 40)
-    got, _ = decode_checked(
-        tiny64,
-        prompts,
-        SamplingParams(max_new_tokens=20),
-        proposer,
-        method=method,
-        batch_size=3,
-        k=3,
-        branches=branches,
-    )
+    options = {"method": method, "batch_size": 3, "k": 3, "branches": branches}
+    got, _ = decode_checked(tiny64, prompts, SamplingParams(max_new_tokens=20), proposer, **options)
     assert got == reference_tokens(tiny64, prompts, 20)
 
 
@@ -313,16 +305,8 @@ def test_tree_drafting_equals_one_path_at_a_time(tiny64, monkeypatch, proposer, 
 
     monkeypatch.setattr(DraftProposer, "_propose_tree", checked_tree)
     prompts = random_prompts(5, 4, 1, 40, vocab=12 if "ngram" in proposer else 256)  # few ids: lookup matches
-    got, _ = decode_checked(
-        tiny64,
-        prompts,
-        SamplingParams(max_new_tokens=12),
-        proposer,
-        method=method,
-        batch_size=3,
-        k=4,
-        branches=branches,
-    )
+    options = {"method": method, "batch_size": 3, "k": 4, "branches": branches}
+    got, _ = decode_checked(tiny64, prompts, SamplingParams(max_new_tokens=12), proposer, **options)
     assert got == reference_tokens(tiny64, prompts, 12)
     assert sum(f for f, _ in checked) > 10
     assert ("ngram" in proposer) == (sum(n for _, n in checked) > 0)  # rows with a lookup chain were checked
