@@ -101,8 +101,8 @@ class EngineConfig:
             raise BatchspecError(f"k (draft tokens per step) must be an integer >= 1 or 'auto', got {self.k!r}")
         if isinstance(self.branches, list):  # widths per depth, however given
             object.__setattr__(self, "branches", tuple(self.branches))
-        listed = self.branches if isinstance(self.branches, tuple) else (self.branches,)
-        if not listed or not all(_is_int(c) and c >= 1 for c in listed):
+        widths = tree.listed(self.branches)
+        if not widths or not all(_is_int(c) and c >= 1 for c in widths):
             raise BatchspecError(
                 "branches (candidates per draft position) must be an integer >= 1 or a tuple of them, one per "
                 f"depth, got {self.branches!r}"

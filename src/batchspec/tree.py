@@ -26,11 +26,16 @@ import torch
 from .acceptance import Outcome
 
 
+def listed(branches: int | tuple[int, ...]) -> tuple:
+    """`branches` as the widths it lists: (C_1, C_2, ...) as given, else (C,) for one C at every depth."""
+    return tuple(branches) if isinstance(branches, (tuple, list)) else (branches,)
+
+
 def depth_widths(branches: int | tuple[int, ...], depths: int) -> tuple[int, ...]:
     """Nodes per depth of a tree of `depths` depths: `branches` C at every depth, or per depth
     (C_1, C_2, ...), the last repeated below the listed depths."""
-    listed = (branches,) if isinstance(branches, int) else tuple(branches)
-    return tuple(listed[min(d, len(listed) - 1)] for d in range(depths))
+    widths = listed(branches)
+    return tuple(widths[min(d, len(widths) - 1)] for d in range(depths))
 
 
 def columns(branches: int | tuple[int, ...], depths: int) -> int:
@@ -40,7 +45,7 @@ def columns(branches: int | tuple[int, ...], depths: int) -> int:
 
 def is_tree(branches: int | tuple[int, ...]) -> bool:
     """More than one node at some depth (else a chain)."""
-    return max((branches,) if isinstance(branches, int) else branches) > 1
+    return max(listed(branches)) > 1
 
 
 @dataclass(frozen=True)
