@@ -145,3 +145,29 @@ def test_bucketed_prefill_equals_reference(tiny64, method):
     assert len(length_buckets(sorted(map(len, prompts)))) > 1
     got = decode(tiny64, prompts, 30, method=method, batch_size=9, k=4, check_invariants=True)
     assert got == reference_tokens(tiny64, prompts, 30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_realign_plan_truncates_exactly_when_the_gather_keeps_columns(data):
+    """A role whose plan is a truncation (no index) would get, from the general gather, its first
+    `width` columns unchanged; the plan truncates exactly when every row grew by the same amount."""
+    from batchspec import realign
+
+    b = data.draw(st.integers(1, 4))
+    lengths = torch.tensor(data.draw(st.lists(st.integers(1, 12), min_size=b, max_size=b)))
+    grow = torch.tensor(data.draw(st.lists(st.integers(1, 5), min_size=b, max_size=b)))
+    old_width = int(lengths.max())
+    pad_left = old_width - lengths
+    cache_width = old_width - 1 + data.draw(st.integers(0, 4))  # target lag 1 plus fed drafts
+    p = realign.plan(pad_left, {"target": cache_width}, lengths + grow, torch.ones(b, dtype=torch.bool))
+    rp = p.roles["target"]
+    cached = (cache_width - pad_left).clamp(min=0)
+    lag = max(1, int((lengths + grow - cached).max()))
+    general = realign.shift_index(pad_left, (lengths + grow - lag).clamp(min=0), cache_width)
+    assert (rp.index is None) == (bool((grow == grow[0]).all()) and rp.width <= cache_width)
+    assert rp.width == general.shape[1]
+    if rp.index is None:
+        assert general.tolist() == torch.arange(rp.width).expand(b, -1).tolist()
+    else:
+        assert rp.index.tolist() == general.tolist()

@@ -96,7 +96,9 @@ class PaddedBatch:
         p = realign.plan(self.pad_left, widths, lengths, alive)
         full = p.rows.numel() == len(self.seqs)
         for role, rp in p.roles.items():
-            if rp.index is not None:
+            if rp.index is None:
+                kv.truncate(self.caches[role], rp.width)
+            else:
                 kv.gather(self.caches[role], p.rows, rp.index, full_batch=full)
         self.seqs = [self.seqs[i] for i in p.rows.tolist()]
         self.pad_left, self.width = p.pad_left, p.width

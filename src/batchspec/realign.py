@@ -24,9 +24,10 @@ import torch
 
 @dataclass
 class RolePlan:
-    """How one role's cache moves: new[b, :, j] = old[rows[b], :, index[b, j]]."""
+    """How one role's cache moves: new[b, :, j] = old[rows[b], :, index[b, j]] for j < width."""
 
-    index: torch.Tensor | None  # [B', width]; None when the move is the identity
+    index: torch.Tensor | None  # [B', width]; None when every row keeps its columns: a truncation
+    width: int  # the role's new cache width
 
 
 @dataclass
@@ -69,7 +70,9 @@ def plan(
         lag = max(1, int((lengths - cached).max())) if rows.numel() else 1
         keep = (lengths - lag).clamp(min=0)  # a row shorter than a draft's lag keeps nothing
         new_width = width - lag
-        identity = same_rows and new_width == old_width and bool((pad_left == old_pad).all())
-        index = None if identity else shift_index(old_pad, keep, old_width)
-        roles[role] = RolePlan(index=index)
+        # Every row grew by the same amount (always at B = 1): its entries stay in their columns,
+        # and the move is a truncation to new_width (no copy).
+        prefix = same_rows and new_width <= old_width and bool((pad_left == old_pad).all())
+        index = None if prefix else shift_index(old_pad, keep, old_width)
+        roles[role] = RolePlan(index=index, width=new_width)
     return Plan(rows=rows, pad_left=pad_left, width=width, roles=roles)
