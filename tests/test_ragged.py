@@ -128,3 +128,25 @@ def test_kv_slots_follow_the_tokens_held(tiny64):
     # at most 2 x 256 (before) + 3 x 512 (the 512 slab grown by half) + 1,024 at once.
     allocated, held = peak(random_prompts(82, 2, 250, 250) + random_prompts(83, 1, 505, 505))
     assert 2 * 512 + 1024 <= allocated <= 2 * 256 + 3 * 512 + 1024 and 1005 < held <= 1005 + 3 * 8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_slot_writes_copy_every_bit(dtype):
+    """The slot cache writes through an integer view of the same width: each row's new entries
+    land at its slots with their exact bits (NaN, infinities, -0.0 included), the rest untouched,
+    and the values equal a float scatter's."""
+    from batchspec.kv import _write
+
+    gen = torch.Generator().manual_seed(0)
+    slab = torch.randn(3, 2, 16, 4, generator=gen).to(dtype)
+    new = torch.randn(3, 2, 5, 4, generator=gen).to(dtype)
+    new[0, 0, 0, :3] = torch.tensor([float("nan"), float("-inf"), -0.0], dtype=dtype)
+    starts = [0, 7, 11]
+    index = (torch.tensor(starts)[:, None] + torch.arange(5))[:, None, :, None].expand(-1, 2, -1, 4)
+    expected = slab.clone()
+    for b, s in enumerate(starts):
+        expected[b, :, s : s + 5] = new[b]  # a plain copy: the same bytes
+    scattered = slab.clone().scatter_(2, index, new)
+    _write(slab, index, new)
+    assert torch.equal(slab.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.allclose(slab, scattered, rtol=0, atol=0, equal_nan=True)
