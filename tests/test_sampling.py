@@ -88,3 +88,15 @@ def test_noise_not_keyed_by_position_fails_the_joint_test(small_vocab_pair, monk
     exact = _exact_joint(small_vocab_pair, prompt, params)
     freq = _joint_frequencies(small_vocab_pair, prompt, params, trials)
     assert _chi2(freq, exact, trials) > chi2_critical(int((exact > 0).sum()) - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_is_the_argmax_in_the_logits_own_dtype(dtype):
+    """`sampling.greedy` finds the argmax in float32; the index is the one found in `dtype`, ties
+    (frequent in bfloat16) resolved to the first as well."""
+    from batchspec.sampling import greedy
+
+    logits = (torch.randn(6, 3, 500, generator=torch.Generator().manual_seed(1)) * 4).round().to(dtype)
+    assert int((logits == logits.max(dim=-1, keepdim=True).values).sum(-1).max()) > 1  # ties present
+    assert torch.equal(greedy(logits), logits.argmax(dim=-1))
+    assert torch.equal(greedy(logits, keepdim=True), logits.argmax(dim=-1, keepdim=True))

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from .eagle import Features
-from .sampling import RowParams, choose, probabilities
+from .sampling import RowParams, choose, greedy, probabilities
 from .tree import Tree, depth_widths, is_tree, limit_view
 from .verifier import forward
 
@@ -218,7 +218,7 @@ class DraftProposer:
         sampling distribution for a sampled row, its plain softmax for a greedy one)."""
         soft = torch.softmax(logits.float(), dim=-1)
         if noise is None:
-            idx = logits.argmax(dim=-1)
+            idx = greedy(logits)
         else:
             probs = probabilities(logits, params)
             idx = choose(probs, self._head_noise(noise))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import kv
-from .sampling import choose, probabilities, row_noise
+from .sampling import choose, greedy, probabilities, row_noise
 from .sequence import Sequence
 from .step import Context
 
@@ -26,7 +26,7 @@ def generate_one(target, seq: Sequence, observe=None) -> None:
     while True:
         logits = target(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         if params.greedy:
-            token = int(logits.argmax(dim=-1))
+            token = int(greedy(logits))
         else:
             noise = row_noise([seq], 1, logits.shape[-1], logits.device)[:, 0]
             token = int(choose(probabilities(logits, params), noise))

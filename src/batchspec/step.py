@@ -28,7 +28,7 @@ import torch
 from . import acceptance, kv, tp, tree
 from .batch import PaddedBatch
 from .proposer import Proposal, Proposer
-from .sampling import RowParams, choose, probabilities, row_noise
+from .sampling import RowParams, choose, greedy, probabilities, row_noise
 from .sequence import Sequence, Status
 from .speculation import Fixed, Speculation, attended_span, timed
 from .stats import Stats
@@ -192,7 +192,7 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
         width = drafts.shape[1]
         offsets = torch.arange(width + 1) if shape is None else torch.nn.functional.pad(shape.depth().cpu(), (1, 0))
         if params.greedy:
-            choice = logits.argmax(dim=-1)
+            choice = greedy(logits)
         else:  # noise by position: a tree's node at depth d reads offset d
             choice = choose(probabilities(logits, params), noise[:, offsets.to(noise.device)])
         if shape is None:
@@ -250,5 +250,5 @@ def _pick(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     noise of the row's next position."""
     params = RowParams.of([s.params for s in seqs], logits.device)
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return greedy(logits)
     return choose(probabilities(logits, params), row_noise(seqs, 1, logits.shape[-1], logits.device)[:, 0])
