@@ -132,9 +132,9 @@ def test_kv_slots_follow_the_tokens_held(tiny64):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_slot_writes_copy_every_bit(dtype):
-    """The slot cache writes through an integer view of the same width: each row's new entries
-    land at its slots with their exact bits (NaN, infinities, -0.0 included), the rest untouched,
-    and the values equal a float scatter's."""
+    """The slot cache's writes (16-bit floats through an int16 view): each row's new entries land
+    at its slots with their exact bits (NaN, infinities, -0.0 included), the rest untouched, and
+    the values equal a float scatter's."""
     from batchspec.kv import _write
 
     gen = torch.Generator().manual_seed(0)
