@@ -216,9 +216,10 @@ class DraftProposer:
     def _pick(self, logits: torch.Tensor, params: RowParams, noise: torch.Tensor | None):
         """logits [B, V_head] -> (full ids [B], the draft's probability of each [B]: under its
         sampling distribution for a sampled row, its plain softmax for a greedy one)."""
-        soft = torch.softmax(logits.float(), dim=-1)
+        full = logits.float()  # converted once, for the softmax and the argmax
+        soft = torch.softmax(full, dim=-1)
         if noise is None:
-            idx = greedy(logits)
+            idx = greedy(full)
         else:
             probs = probabilities(logits, params)
             idx = choose(probs, self._head_noise(noise))

@@ -12,7 +12,7 @@ draft was never fed to the draft model, so it is re-fed with the bonus token), o
 steps that did not run it (adaptive speculation); it catches up on its next forward.
 
 Everything here is index arithmetic on small integer tensors; `kv.py` applies the resulting
-index to every layer with one gather.
+index to every layer with one gather, or truncates the cache where no row's entries move.
 """
 
 from __future__ import annotations

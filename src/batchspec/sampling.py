@@ -66,10 +66,11 @@ def probabilities(logits: torch.Tensor, params: SamplingParams | RowParams) -> t
     shape = (1,) * logits.dim() if shared else (-1,) + (1,) * (logits.dim() - 1)  # [B] over [B, ..., V]
     argmax_rows = (rows.temperature == 0).view(shape)
     temperature = torch.where(rows.temperature == 0, 1.0, rows.temperature).view(shape)
-    scaled = _top_k(logits.float() / temperature, rows.top_k.view(shape))
+    full = logits.float()  # converted once, for the distribution and the greedy rows' argmax
+    scaled = _top_k(full / temperature, rows.top_k.view(shape))
     probs = _top_p(torch.softmax(scaled, dim=-1), rows.top_p.view(shape))
     if bool(argmax_rows.any()):
-        one_hot = torch.zeros_like(probs).scatter_(-1, greedy(logits, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(-1, greedy(full, keepdim=True), 1.0)
         probs = torch.where(argmax_rows, one_hot, probs)
     return probs
 
