@@ -11,7 +11,10 @@ while keeping every synchronization bug visible. Fixed float32 cases are tested 
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -20,6 +23,12 @@ from hypothesis import HealthCheck, settings
 from batchspec import load_pair, tiny_pair
 
 torch.set_num_threads(int(os.environ.get("BATCHSPEC_TEST_THREADS", "2")))
+
+# One disk cache for the session (diskcache.py), shared with the processes the tests start, and
+# removed at the end: the tests neither read nor fill the user's cache.
+_CACHE = tempfile.mkdtemp(prefix="batchspec-test-cache-")
+os.environ["BATCHSPEC_CACHE"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 settings.register_profile(
     "ci", max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]

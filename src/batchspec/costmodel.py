@@ -23,7 +23,7 @@ from collections import deque
 
 import torch
 
-from . import kv
+from . import diskcache, kv
 
 #: Weight of one timed step in the load factor (every width) and in its width's scale; their bounds
 #: (1 / limit .. limit).
@@ -180,21 +180,49 @@ def sync(device) -> None:
 _PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def probe(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768)) -> list[Sample]:
+def probe(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768), fresh: bool = False) -> list[Sample]:
     """Timed forwards at every width 1..q_max: one row over a mid span, `rows` rows over a short
     and a long span; each the fastest of PROBE_ROUNDS rounds over all of them, so that a slow spell
-    of the machine does not skew one width against the others (cached per model and shape for the
-    process)."""
+    of the machine does not skew one width against the others. Kept per model and shape for the
+    process, and on disk (diskcache.py, "step-probes") for later starts on the same machine;
+    `fresh` measures again and replaces both."""
     key = (rows, q_max, spans, next(model.parameters()).dtype)
     per_model = _PROBES.setdefault(model, {})
-    if key not in per_model:
-        mid = sum(spans) // 2
-        shapes = sorted({(1, mid), (rows, spans[0]), (rows, spans[1])})
-        points = [(b, q, s) for q in range(1, q_max + 1) for b, s in shapes]
-        time_forward(model, rows, q_max, spans[1], warmup=False)  # allocations, first-call paths
-        best = {p: float("inf") for p in points}
-        for _ in range(PROBE_ROUNDS):
-            for p in points:
-                best[p] = min(best[p], time_forward(model, *p, warmup=False))
-        per_model[key] = [(b, q, s, best[(b, q, s)]) for b, q, s in points]
+    if key in per_model and not fresh:
+        return per_model[key]
+    disk = probe_key(model, rows, q_max, spans)
+    stored = None if fresh else diskcache.read("step-probes", disk)
+    if _valid_samples(stored):
+        per_model[key] = [tuple(s) for s in stored]
+        diskcache.tally["cached"] += 1
+        return per_model[key]
+    per_model[key] = _measure(model, rows, q_max, spans)
+    diskcache.tally["measured"] += 1
+    diskcache.write("step-probes", disk, per_model[key])
     return per_model[key]
+
+
+def probe_key(model, rows: int, q_max: int, spans: tuple[int, int]) -> dict:
+    """What a probe's timings depend on: the machine, the model, the shapes."""
+    shape = {"rows": rows, "q_max": q_max, "spans": list(spans), "rounds": PROBE_ROUNDS}
+    return {"machine": diskcache.machine(), "model": diskcache.model_identity(model)} | shape
+
+
+def _valid_samples(stored) -> bool:
+    return (
+        isinstance(stored, list)
+        and bool(stored)
+        and all(isinstance(s, list) and len(s) == 4 and all(isinstance(v, (int, float)) for v in s) for s in stored)
+    )
+
+
+def _measure(model, rows: int, q_max: int, spans: tuple[int, int]) -> list[Sample]:
+    mid = sum(spans) // 2
+    shapes = sorted({(1, mid), (rows, spans[0]), (rows, spans[1])})
+    points = [(b, q, s) for q in range(1, q_max + 1) for b, s in shapes]
+    time_forward(model, rows, q_max, spans[1], warmup=False)  # allocations, first-call paths
+    best = {p: float("inf") for p in points}
+    for _ in range(PROBE_ROUNDS):
+        for p in points:
+            best[p] = min(best[p], time_forward(model, *p, warmup=False))
+    return [(b, q, s, best[(b, q, s)]) for b, q, s in points]

@@ -6,12 +6,13 @@ Which methods exist, and the runner of each, is `methods.METHODS`.
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import torch
 from tqdm.auto import tqdm
 
-from . import linears, methods, tp, tree
+from . import diskcache, linears, methods, tp, tree
 from .config import LOOKUP_FIRST, EngineConfig, SamplingParams, model_proposer
 from .detok import StopStrings
 from .errors import BatchspecError
@@ -40,6 +41,7 @@ class SpecDecoder:
         self.proposer = self._make_proposer()
         self.stats = Stats(device=str(pair.device))
         self.speculation = None  # built on first use: `auto` probes the machine's costs
+        self.startup = dict(pair.startup)  # load_s, weights; tuning_s, tuning once measured
 
     @classmethod
     def from_pretrained(cls, pair=None, target=None, draft=None, dtype="float32", device=None, **config_kw):
@@ -168,6 +170,7 @@ class SpecDecoder:
         with torch.inference_mode(), self.stats.run():
             runner(ctx, seqs, cfg)
         bar.close()
+        self.stats.extra["startup"] = dict(self.startup)
         describe = getattr(ctx.speculation, "describe", None)  # what `auto` measured and learned
         if describe is not None:
             self.stats.extra["speculation"] = describe()
@@ -175,10 +178,16 @@ class SpecDecoder:
         assert not unfinished, f"method {cfg.method} left sequences unfinished: {unfinished}"
         return self.stats
 
+    def prepare(self) -> None:
+        """Take now the measurements the first run would take (or find them in the cache)."""
+        self._speculation()
+
     def _speculation(self):
         """The speculation policy, kept across runs (what `auto` learned carries over)."""
         if self.speculation is None:
+            started, before = time.perf_counter(), diskcache.tally.copy()
             self.speculation = make_speculation(self.config, self.pair.target, self.proposer)
+            self.startup |= {"tuning_s": round(time.perf_counter() - started, 3), "tuning": _tuning(before)}
         return self.speculation
 
     def _output(self, seq: Sequence, prompt, text: str | None) -> GenerationOutput:
@@ -191,6 +200,14 @@ class SpecDecoder:
             finish_reason=seq.finish_reason,
             accepted_per_step=list(seq.accepted_per_step),
         )
+
+
+def _tuning(before) -> str:
+    """How the machine's measurements went since `before` (a diskcache.tally copy)."""
+    new = diskcache.tally - before
+    if not new["measured"]:
+        return "cached" if new["cached"] else "none"
+    return "measured" if not new["cached"] else "partly cached"
 
 
 def make_speculation(config: EngineConfig, target, proposer):

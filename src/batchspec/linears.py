@@ -22,15 +22,21 @@ oneDNN takes float32 and bfloat16 only, and costs a packed copy of every weight 
 (made on first use, remade if the weight changes in place); where it fails (another dtype, a
 build without it) it is not chosen.
 Products that autograd must differentiate always take F.linear.
+
+The choices are kept on disk (diskcache.py, "linear-forms"), keyed by the machine and the model:
+a later start with the same machine, versions, threads and weights measures nothing.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
+
+from . import diskcache
 
 #: Row counts measured; one between two takes the choice of the next. Above TUNE_MAX one choice for
 #: all, measured at LARGE rows.
@@ -71,19 +77,42 @@ class FormTable:
     """Row count M -> the fastest formulation's name, measured over `layers` (a model's
     TunedLinears) the first time M's bucket is asked for."""
 
-    def __init__(self):
+    def __init__(self, identity=None):
         self.layers: list[TunedLinear] = []
         self.choice: dict[int, str] = {}
         self.packed: dict[int, tuple] = {}  # id(weight) -> (weight, (version, address), packed copy)
+        self.identity = identity  # () -> the model's diskcache.model_identity; None: not kept on disk
+        self._recalled = False
 
     def form(self, rows: int):
         key = bucket(rows)
-        name = self.choice.get(key)
+        name = self.choice.get(key) or self._recall(key)
         if name is None:
             name = self.choice[key] = self._fastest(key)
+            diskcache.tally["measured"] += 1
+            self._remember()
             if "onednn" not in self.choice.values():
                 self.packed.clear()  # the copies its measurement made
         return self.function(name)
+
+    def _disk_key(self) -> dict | None:
+        return None if self.identity is None else {"machine": diskcache.machine(), "model": self.identity()}
+
+    def _recall(self, rows: int) -> str | None:
+        """The choice for bucket `rows` from the disk cache (read once per table), or None."""
+        if not self._recalled and (key := self._disk_key()) is not None:
+            self._recalled = True
+            stored = diskcache.read("linear-forms", key) or {}
+            known = {int(b): n for b, n in stored.items() if str(b).isdigit() and n in FORMS}
+            self.choice = known | self.choice
+        name = self.choice.get(rows)
+        if name is not None:
+            diskcache.tally["cached"] += 1
+        return name
+
+    def _remember(self) -> None:
+        if (key := self._disk_key()) is not None:
+            diskcache.write("linear-forms", key, {str(b): n for b, n in sorted(self.choice.items())})
 
     def prepare(self, max_rows: int) -> None:
         """Measure now every bucket of row counts 1 .. max_rows not measured yet."""
@@ -184,7 +213,8 @@ def tune_linears(model: torch.nn.Module) -> FormTable | None:
     first = next(model.parameters(), None)
     if first is None or first.device.type != "cpu":
         return None
-    table = FormTable()
+    ref = weakref.ref(model)
+    table = FormTable(identity=lambda: diskcache.model_identity(ref()))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:

@@ -7,14 +7,16 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
+import sys
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from . import attention, kv, tp
+from . import attention, diskcache, kv, tp
 from .errors import BatchspecError
 from .linears import tune_linears
 from .tiny import byte_tokenizer, tiny_config, tiny_head, tiny_models
@@ -39,6 +41,7 @@ class ModelPair:
     draft_vocab_ids: torch.Tensor | None = None  # reduced draft head -> full ids
     default_proposer: str = "draft"
     head: torch.nn.Module | None = None  # an EAGLE-style draft head (eagle.py), or None
+    startup: dict = field(default_factory=dict)  # {"load_s", "weights"}: how the load went
 
     @property
     def device(self) -> torch.device:
@@ -104,6 +107,15 @@ def load_pair(
     """Load a built-in pair by name, or a target (and optional draft) from a directory, a .gguf
     file or a hub id. Without a draft the pair uses the n-gram proposer. `tp_size` > 1: this
     process is one rank of a tensor-parallel group (tp.py); the target is sharded, the draft whole."""
+    started, before = time.perf_counter(), diskcache.tally.copy()
+    result = _load_pair(pair, target, draft, dtype, device, tp_size)
+    new = diskcache.tally - before
+    how = "converted the GGUF" if new["gguf converted"] else "cached GGUF conversion" if new["gguf reused"] else "read"
+    result.startup = {"load_s": round(time.perf_counter() - started, 3), "weights": how}
+    return result
+
+
+def _load_pair(pair, target, draft, dtype, device, tp_size) -> ModelPair:
     if dtype not in DTYPES:
         raise BatchspecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
@@ -166,9 +178,13 @@ def tiny_pair(
     """Built-in `tiny` pair (see tiny.py). vocab_size < 259 gives a pair without tokenizer."""
     config = tiny_config(vocab_size, hidden, layers)
     target, draft = tiny_models(config, noise=noise, seed=seed, dtype=dtype)
+    head = tiny_head(target, noise=noise, seed=seed)
+    made = f"tiny:{vocab_size}:{hidden}:{layers}:{noise}:{seed}"
+    for role, model in (("target", target), ("draft", draft), ("head", head)):
+        model.batchspec_source = f"{made}:{role}"
     tokenizer = byte_tokenizer(vocab_size) if vocab_size >= 259 else None
     pair = ModelPair(
-        head=tiny_head(target, noise=noise, seed=seed),
+        head=head,
         name="tiny",
         target=target,
         draft=draft,
@@ -205,6 +221,9 @@ def target_config(pair: str | None, target: str | None):
         return tiny_config()
     spec = smollm2_path() if pair == "default" or target is None else target
     if spec.endswith(".gguf"):
+        converted = diskcache.complete("models", gguf_name(spec)) if os.path.isfile(spec) else None
+        if converted is not None:
+            return AutoConfig.from_pretrained(converted)
         folder, name = os.path.split(os.path.abspath(spec))
         return AutoConfig.from_pretrained(folder, gguf_file=name)
     try:
@@ -216,14 +235,16 @@ def target_config(pair: str | None, target: str | None):
 def default_pair(dtype: torch.dtype, tp_size: int = 1) -> ModelPair:
     """Built-in `default` pair: SmolLM2-135M-Instruct (GGUF, offline) and the distilled draft
     shipped in the package (draft.py: 2 layers over the target's embedding, 8192-token head)."""
-    from .draft import load_default_draft
+    from .draft import DRAFT_FILE, load_default_draft
     from .eagle import EAGLE_FILE, load_head
 
     target, tokenizer = _load_gguf(smollm2_path(), dtype, tp_size)
     pair = _make_pair("default", target, load_default_draft(target, dtype), tokenizer)
     pair.draft_vocab_ids = pair.draft.vocab_ids
+    pair.draft.batchspec_source = f"{target.batchspec_source}+{diskcache.file_identity(DRAFT_FILE)}"
     if tp_size == 1 and os.path.exists(EAGLE_FILE):
         pair.head = load_head(target, dtype)
+        pair.head.batchspec_source = f"{target.batchspec_source}+{diskcache.file_identity(EAGLE_FILE)}"
     # Measured (docs/benchmarks.md, "Current numbers", "Beam trees", "Widths per depth"), ratios to
     # `ar` under the default -k auto: in float32 the head beats prompt lookup (runs M, Q against L, P)
     # and lookup first with the head elsewhere beats the head alone; in bfloat16 lookup beat the head
@@ -272,10 +293,22 @@ def load_model(spec: str, dtype: torch.dtype, tp_size: int = 1):
             raise BatchspecError(f"GGUF file not found: {spec}")
         return _load_gguf(spec, dtype, tp_size)
     if os.path.isdir(spec):
-        return _from_pretrained(spec, dtype, parallel)
+        model, tokenizer = _from_pretrained(spec, dtype, parallel)
+        model.batchspec_source = "dir:" + diskcache.digest(_weight_files(spec))
+        return model, tokenizer
     if os.path.exists(spec) or spec.startswith((".", "/")):
         raise BatchspecError(f"{spec} is neither a model directory nor a .gguf file")
-    return _load_hub(spec, dtype, parallel)
+    model, tokenizer = _load_hub(spec, dtype, parallel)
+    commit = getattr(model.config, "_commit_hash", None)
+    if commit:  # else diskcache.model_identity hashes the weights
+        model.batchspec_source = f"hub:{spec}@{commit}"
+    return model, tokenizer
+
+
+def _weight_files(folder: str) -> list[str]:
+    """The identities of a model directory's weight files."""
+    names = sorted(n for n in os.listdir(folder) if n.endswith((".safetensors", ".bin", ".pt")))
+    return [diskcache.file_identity(os.path.join(folder, n)) for n in names]
 
 
 def _load_hub(spec: str, dtype: torch.dtype, parallel: dict):
@@ -310,9 +343,48 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+def gguf_name(path: str) -> str:
+    """The converted directory's name for a GGUF file: its content hash."""
+    return "gguf-" + diskcache.file_sha256(path)[:32]
+
+
 def _load_gguf(path: str, dtype: torch.dtype, tp_size: int = 1):
-    folder, name = os.path.split(os.path.abspath(path))
-    return _from_pretrained(folder, dtype, {"gguf_file": name, **tp.from_pretrained_options(tp_size)})
+    """(model, tokenizer) from a GGUF file. Reading one means parsing it (three times, in
+    transformers) and dequantizing every tensor: ~30 s for a 135M model on 2 cores. So the first
+    load converts it once into the disk cache (diskcache.py, "models/gguf-<sha256>": float32
+    safetensors, config, tokenizer.json), and every load reads that directory (memory-mapped, under
+    a second), cast to `dtype` as the GGUF load would: the same bits (tests/test_diskcache.py).
+    Without a writable cache the GGUF is read directly."""
+    name = gguf_name(path)
+    options = tp.from_pretrained_options(tp_size)
+    converted = diskcache.complete("models", name)
+    diskcache.tally["gguf reused" if converted else "gguf converted"] += 1
+    converted = converted or diskcache.directory("models", name, lambda folder: _convert_gguf(path, folder))
+    if converted is not None:
+        model, tokenizer = _from_pretrained(str(converted), dtype, options)
+    else:
+        folder, file = os.path.split(os.path.abspath(path))
+        model, tokenizer = _from_pretrained(folder, dtype, {"gguf_file": file, **options})
+    model.batchspec_source = name
+    return model, tokenizer
+
+
+def _convert_gguf(path: str, folder) -> None:
+    """Write a GGUF's dequantized weights (float32), config and tokenizer to `folder` as a Hugging
+    Face directory."""
+    from safetensors.torch import save_model
+
+    folder_of, file = os.path.split(os.path.abspath(path))
+    print(f"converting {file} once into {folder.parent} (later starts read it from there)", file=sys.stderr)
+    model, tokenizer = _from_pretrained(folder_of, torch.float32, {"gguf_file": file})
+    config = model.config
+    if hasattr(config, "quantization_config"):  # the weights are plain now
+        del config.quantization_config
+    config.save_pretrained(folder)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(folder)
+    save_model(model, os.path.join(folder, "model.safetensors"))
+    tokenizer.save_pretrained(folder)
 
 
 def _from_pretrained(spec: str, dtype: torch.dtype, extra: dict):

@@ -65,6 +65,10 @@ ROW_RATE = 0.3
 #: corrected by steps that test them. Costs at most one 2-token verify per this many steps. After
 #: as many steps that all verified, the next is plain, for the same reason.
 EXPLORE_EVERY = 32
+#: A cost fit whose load factor (timed / fitted) has left 1 / DRIFT .. DRIFT after DRIFT_STEPS
+#: timed steps was measured on another machine state (a cached probe from a quieter or busier
+#: day): it is probed again, once per policy, and the cache updated.
+DRIFT, DRIFT_STEPS = 2.5, 64
 
 
 @runtime_checkable
@@ -122,9 +126,11 @@ class Adaptive:
     def __init__(self, target, proposer, capacity: int, k_max: int = AUTO_K_MAX):
         self.k_max, self.proposer = k_max, proposer
         self.branches = getattr(proposer, "branches", 1)  # a draft tree verifies 1 + its nodes to that depth
+        self.target, self.capacity = target, capacity
         self.step_cost = StepCost(probe(target, capacity, self._columns(k_max)))
         cheap = proposer.model is None
         self.prop_cost = StepCost([] if cheap else probe(proposer.model, capacity, 1))
+        self.timed, self.reprobed = 0, False  # steps timed; whether a drifted fit was probed again
         self.prior = _prior(proposer.bins)  # [bins] acceptance of a bin's first draft before any data
         self.hits = torch.zeros(proposer.bins, k_max, dtype=torch.float64)  # decayed accepted counts
         self.seen = torch.zeros_like(self.hits)  # decayed tested counts
@@ -199,6 +205,7 @@ class Adaptive:
         """Learn from a finished step: acceptance by bin and position, each row's ratio, costs."""
         rows = len(num_accepted)
         self.step_cost.observe(rows, self._columns(width), span, step_s)
+        self._check_drift()
         self.unverified = 0 if width > 0 else self.unverified + 1
         self.unplain = 0 if width == 0 else self.unplain + 1
         if proposal is None:
@@ -246,6 +253,18 @@ class Adaptive:
             },
             "acceptance_any_bin": [round(float(a), 3) for a in self.any_bin],
         }
+
+    def _check_drift(self) -> None:
+        """Probe the costs again (once) when the steps timed say a fit is off by DRIFT or more."""
+        self.timed += 1
+        if self.reprobed or self.timed < DRIFT_STEPS:
+            return
+        if not 1 / DRIFT <= self.step_cost.load <= DRIFT:
+            self.reprobed = True
+            self.step_cost = StepCost(probe(self.target, self.capacity, self._columns(self.k_max), fresh=True))
+        if self.proposer.model is not None and not 1 / DRIFT <= self.prop_cost.load <= DRIFT:
+            self.reprobed = True
+            self.prop_cost = StepCost(probe(self.proposer.model, self.capacity, 1, fresh=True))
 
     # --- the model ------------------------------------------------------------------------
     def _estimate(self) -> None:

@@ -90,7 +90,18 @@ class Stats:
         """One human-readable line."""
         s = self.summary()
         share = ", ".join(f"{k} {v:.0%}" for k, v in s["time_share"].items() if v >= 0.005)
-        return (
+        line = (
             f"{s['tokens']} tokens in {s['wall_s']:.2f}s = {s['tokens_per_s']:.1f} tok/s | "
             f"{s['mean_tokens_per_step']:.2f} tokens/step, mean accepted {s['mean_accepted']:.2f} | {share}"
         )
+        return line + startup_text(s.get("startup", {}))
+
+
+def startup_text(startup: dict) -> str:
+    """' | start: load 1.2s (cached GGUF conversion), tuning 0.0s (cached)', or '' without one."""
+    parts = []
+    if "load_s" in startup:
+        parts.append(f"load {startup['load_s']:.1f}s ({startup.get('weights', 'read')})")
+    if "tuning_s" in startup:
+        parts.append(f"tuning {startup['tuning_s']:.1f}s ({startup.get('tuning', 'none')})")
+    return " | start: " + ", ".join(parts) if parts else ""
