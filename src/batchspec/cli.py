@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from . import bench, equivalence, methods, tp
+from . import access, bench, equivalence, methods, tp
 from .config import PROPOSERS, EngineConfig, SamplingParams
 from .engine import SpecDecoder
 from .errors import BatchspecError
@@ -189,6 +189,33 @@ def _serve_parser(sub) -> None:
         default=30.0,
         help="on SIGTERM, seconds running requests may take to finish before they are cancelled",
     )
+    g = p.add_argument_group("access (docs/serving.md, Security)")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help=f"a key clients send as 'Authorization: Bearer KEY' (repeatable; also --api-key-file and "
+        f"{access.ENV_KEY}); with a key set, every path but /health and /metrics (see --metrics-auth) needs one",
+    )
+    g.add_argument("--api-key-file", metavar="PATH", help="keys, one per line (blank lines and # comments skipped)")
+    g.add_argument(
+        "--require-api-key", action="store_true", help="refuse to start without a key (default: warn on a public host)"
+    )
+    g.add_argument("--metrics-auth", action="store_true", help="/metrics needs a key too (default: open)")
+    g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=access.MAX_REQUEST_BYTES,
+        metavar="N",
+        help=f"largest request body; beyond it: 413 (default {access.MAX_REQUEST_BYTES})",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=access.BODY_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds a client may take to send a request body; beyond it: 408 (default {access.BODY_TIMEOUT_S:g})",
+    )
     g = p.add_argument_group("replicas (Ray Serve; pip install 'batchspec[ray]')")
     g.add_argument(
         "--replicas",
@@ -212,6 +239,8 @@ def _serve_parser(sub) -> None:
 
     def run(args) -> int:
         check_serve_options(args)
+        if (warning := access.check_binding(args.host, args.api_keys, False)) and tp.is_leader():
+            print(warning, file=sys.stderr, flush=True)
         if uses_ray(args):
             from .replicas import run_cli
         else:
@@ -226,7 +255,8 @@ def uses_ray(args) -> bool:
 
 
 def check_serve_options(args) -> None:
-    """`batchspec serve` options that need no model: replicas, Ray, CPUs."""
+    """`batchspec serve` options that need no model: replicas, Ray, CPUs, access. Reads the API
+    keys into args.api_keys."""
     if args.replicas < 1:
         raise BatchspecError(f"--replicas must be >= 1, got {args.replicas}")
     if not args.replica_cpus > 0:
@@ -235,6 +265,14 @@ def check_serve_options(args) -> None:
         raise BatchspecError("--tp with --replicas or --ray-address is not supported; use one or the other")
     if uses_ray(args) and importlib.util.find_spec("ray") is None:
         raise BatchspecError("--replicas and --ray-address need Ray Serve: pip install 'batchspec[ray]'")
+    if args.max_request_bytes < 1:
+        raise BatchspecError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if not args.body_timeout > 0:
+        raise BatchspecError(f"--body-timeout must be > 0, got {args.body_timeout}")
+    args.api_keys = access.read_keys(args.api_key, args.api_key_file, os.environ)
+    access.check_binding(args.host, args.api_keys, args.require_api_key)
+    if args.metrics_auth and not args.api_keys:
+        raise BatchspecError("--metrics-auth needs an API key (--api-key, --api-key-file or BATCHSPEC_API_KEY)")
 
 
 def _comparison(sub, name: str, help: str, methods: str, run) -> argparse.ArgumentParser:

@@ -3,6 +3,10 @@ response bodies and stream chunks. No HTTP and no engine here (server.py joins t
 
 Validation names the offending field (`BadRequest.param`) and says what was expected, so a
 client gets OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`.
+Bounds: at most `MAX_STOP` stop strings of `MAX_STOP_CHARS` characters, `MAX_MESSAGES` messages
+per chat, one choice (`n` = 1). Fields that would change the output but are not served
+(`UNSERVED`: `logit_bias`, `logprobs`, penalties, ...) are refused when set, never ignored; other
+unknown fields (`user`, `metadata`, ...) are ignored.
 Extensions: `top_k` and `ignore_eos` in requests (as vLLM); `"batchspec": {"token_ids", "steps", "accepted_drafts",
 "proposed_drafts"}` in responses (per chunk: the chunk's `token_ids`).
 """
@@ -15,6 +19,29 @@ from dataclasses import dataclass
 
 from .config import SamplingParams
 from .errors import BatchspecError
+
+#: Stop strings per request (OpenAI's limit) and characters per stop string (streaming holds back
+#: that many characters at the end of the text, in case a stop string begins there).
+MAX_STOP, MAX_STOP_CHARS = 4, 256
+#: Messages per chat request.
+MAX_MESSAGES = 1024
+#: top_k at or beyond the vocabulary is off; larger values are stored as this.
+TOP_K_CAP = 2**31 - 1
+#: Fields this server does not serve -> their values that change nothing (absent or null too).
+UNSERVED = {
+    "logit_bias": ({},),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "tools": ([],),
+    "functions": ([],),
+    "response_format": ({"type": "text"},),
+}
 
 
 class BadRequest(BatchspecError):
@@ -49,7 +76,8 @@ def _get(body: dict, name: str, kinds: tuple, default=None, what: str = ""):
         return default
     numeric = int in kinds or float in kinds
     if not isinstance(value, kinds) or (numeric and isinstance(value, bool) and bool not in kinds):
-        raise BadRequest(f"'{name}' must be {what or ' or '.join(k.__name__ for k in kinds)}, got {value!r}", name)
+        what = what or " or ".join(k.__name__ for k in kinds)
+        raise BadRequest(f"'{name}' must be {what}, got {_brief(value)}", name)
     return value
 
 
@@ -57,6 +85,7 @@ def parse_job(body, chat: bool) -> Job:
     """Validate a /v1/completions (chat=False) or /v1/chat/completions body."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    _refuse_unserved(body)
     prompt = _parse_messages(body) if chat else _parse_prompt(body)
     n = _get(body, "n", (int,), 1, "an integer")
     if n != 1:
@@ -78,6 +107,25 @@ def parse_job(body, chat: bool) -> Job:
     return Job(chat, prompt, max_tokens, params, stream, include_usage, model)
 
 
+def _refuse_unserved(body: dict) -> None:
+    """A 400 naming the first field set to a value this server would not honour."""
+    for name, neutral in UNSERVED.items():
+        value = body.get(name)
+        if value is not None and not any(_same(value, v) for v in neutral):
+            raise BadRequest(f"'{name}' is not supported by this server; remove it from the request", name)
+
+
+def _same(value, neutral) -> bool:
+    """value == neutral, where a boolean equals only a boolean (0 == 0.0, but not False)."""
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+
+
+def _brief(value) -> str:
+    """repr(value), cut to 100 characters (an error message need not echo a whole body)."""
+    text = repr(value)
+    return text if len(text) <= 100 else text[:100] + "..."
+
+
 def _parse_sampling(body: dict) -> SamplingParams:
     temperature = _get(body, "temperature", (int, float), 1.0, "a number in [0, 2]")
     if not 0 <= temperature <= 2:
@@ -91,13 +139,17 @@ def _parse_sampling(body: dict) -> SamplingParams:
     seed = _get(body, "seed", (int,), None, "an integer")
     stop = _get(body, "stop", (str, list), (), "a string or a list of strings")
     stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > MAX_STOP:
+        raise BadRequest(f"'stop' may hold at most {MAX_STOP} strings, got {len(stop)}", "stop")
     if not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest(f"'stop' must be a non-empty string or a list of them, got {stop!r}", "stop")
+        raise BadRequest(f"'stop' must be a non-empty string or a list of them, got {_brief(stop)}", "stop")
+    if longest := max((len(s) for s in stop if len(s) > MAX_STOP_CHARS), default=0):
+        raise BadRequest(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}", "stop")
     ignore_eos = _get(body, "ignore_eos", (bool,), False, "a boolean")
     return SamplingParams(
         temperature=float(temperature),
         top_p=float(top_p),
-        top_k=max(top_k, 0),
+        top_k=min(max(top_k, 0), TOP_K_CAP),
         seed=seed,
         stop=tuple(stop),
         ignore_eos=ignore_eos,
@@ -113,14 +165,16 @@ def _parse_prompt(body: dict):
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     raise BadRequest(
-        f"'prompt' must be a non-empty string or a list of token ids (one prompt), got {prompt!r}", "prompt"
+        f"'prompt' must be a non-empty string or a list of token ids (one prompt), got {_brief(prompt)}", "prompt"
     )
 
 
 def _parse_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise BadRequest(f"'messages' must be a non-empty list of messages, got {messages!r}", "messages")
+        raise BadRequest(f"'messages' must be a non-empty list of messages, got {_brief(messages)}", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise BadRequest(f"'messages' may hold at most {MAX_MESSAGES} messages, got {len(messages)}", "messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):

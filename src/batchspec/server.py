@@ -5,7 +5,8 @@ GET /health (503 when the engine loop is dead or stalled), GET /metrics (Prometh
 router of replicas (replicas.py) every response names its replica in an `x-batchspec-replica`
 header.
 
-A request is validated and encoded here (errors are 400s in OpenAI's shape, naming the field and
+Before the app, `access.Guard` checks the API key and bounds the body (bytes, time, type). Then a
+request is validated and encoded here (errors are 400s in OpenAI's shape, naming the field and
 the numbers), then queued in the engine (429 at once when the queue is full); its chunks come back
 through an asyncio queue. A streaming client that
 disconnects, or a non-streaming one that goes away (or whose handler is cancelled), has its row
@@ -28,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from . import access
 from . import openai_api as api
 from .config import EngineConfig, SamplingParams
 from .errors import BatchspecError
@@ -44,6 +46,18 @@ DEFAULT_KV_PER_ROW = 2048
 STALL_S = 120.0
 
 
+def _template_errors() -> tuple[type[Exception], ...]:
+    """What a chat template raises for messages it refuses (jinja2 comes with chat templates)."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:
+        return ()
+    return (TemplateError,)
+
+
+TEMPLATE_ERRORS = _template_errors()
+
+
 class Service:
     """What the HTTP layer needs: the engine, the pair (tokenizer, context) and limits."""
 
@@ -51,12 +65,20 @@ class Service:
         self.engine, self.pair, self.model_name, self.lock = engine, pair, model_name, tokenizer_lock
         self.k, self.budget, self.context = engine.ctx.slots, engine.budget, pair.context_len
         self.rejected: dict[str, int] = {}  # outcome -> requests refused before the engine
+        self.policy = access.Policy()  # keys and body bounds (build_service sets the options')
+
+    def refused(self, outcome: str) -> None:
+        self.rejected[outcome] = self.rejected.get(outcome, 0) + 1
 
     def encode(self, job: api.Job) -> list[int]:
+        """The prompt's token ids; a prompt the tokenizer or the chat template refuses is a 400."""
         with self.lock:
-            if job.chat:
-                return chat_ids(self.pair.tokenizer, job.prompt)
-            return self.pair.encode(job.prompt, chat_template=False)
+            try:
+                if job.chat:
+                    return chat_ids(self.pair.tokenizer, job.prompt)
+                return self.pair.encode(job.prompt, chat_template=False)
+            except (BatchspecError, *TEMPLATE_ERRORS) as err:
+                raise api.BadRequest(str(err), "messages" if job.chat else "prompt") from None
 
     def sequence(self, job: api.Job, ids: list[int]) -> Sequence:
         """Check the prompt against the context and the KV budget; the request's Sequence."""
@@ -128,7 +150,8 @@ def create_app(service: Service, replica: str | None = None) -> FastAPI:
         await asyncio.to_thread(service.engine.shutdown)
 
     app = FastAPI(title="batchspec", lifespan=lifespan)
-    if replica is not None:
+    app.add_middleware(access.Guard, policy=service.policy, count=service.refused)
+    if replica is not None:  # added last: outermost, so refusals are named too
         app.add_middleware(ReplicaHeader, name=replica)
 
     @app.exception_handler(Exception)
@@ -171,18 +194,18 @@ def create_app(service: Service, replica: str | None = None) -> FastAPI:
 
 def _refuse(service: Service, err: api.BadRequest) -> JSONResponse:
     kind = "rate_limit_error" if err.status == 429 else "invalid_request_error"
-    outcome = {400: "invalid", 404: "invalid", 429: "queue_full", 503: "shutting_down"}.get(err.status, "invalid")
-    service.rejected[outcome] = service.rejected.get(outcome, 0) + 1
+    service.refused({429: "queue_full", 503: "shutting_down"}.get(err.status, "invalid"))
     return JSONResponse(api.error_body(err.message, kind, err.param, err.code), err.status)
 
 
 async def serve(service: Service, request: Request, chat: bool):
-    """Validate, queue, and answer one request (a JSON body, or an SSE stream)."""
+    """Validate, queue, and answer one request (a JSON body, or an SSE stream). The body is
+    already bounded (access.Guard)."""
     try:
         try:
             body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise api.BadRequest(f"the request body is not valid JSON: {err}") from None
+        except (ValueError, RecursionError) as err:  # bad JSON or UTF-8, too many digits, too deep
+            raise api.BadRequest(f"the request body is not valid JSON: {_short(err)}") from None
         job = api.parse_job(body, chat)
         if job.model is not None and job.model != service.model_name:
             raise api.BadRequest(
@@ -206,6 +229,11 @@ async def serve(service: Service, request: Request, chat: bool):
     if job.stream:
         return StreamingResponse(_stream(service, job, handle, chunks, rid), media_type="text/event-stream")
     return await _complete(service, job, handle, chunks, rid, request)
+
+
+def _short(err: Exception) -> str:
+    text = f"{err}" if not isinstance(err, RecursionError) else "it is nested too deeply"
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _emitter(loop: asyncio.AbstractEventLoop, chunks: asyncio.Queue):
@@ -308,8 +336,13 @@ def run_cli(args) -> int:
         flush=True,
     )
     started = time.monotonic()
-    uvicorn.run(
-        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=args.graceful_timeout
+    uvicorn.run(  # h11 (not httptools, if installed): its 16 KiB bound on request headers
+        app,
+        host=args.host,
+        port=args.port,
+        http="h11",
+        log_level="warning",
+        timeout_graceful_shutdown=args.graceful_timeout,
     )
     print(f"batchspec: stopped after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return 0
@@ -359,4 +392,6 @@ def build_service(args) -> Service:
         from .tp_online import LockstepEngine as engine_class
     engine = engine_class(ctx, config.batch_size, budget, decode, args.max_queue, args.prefill_chunk)
     name = args.served_model_name or pair.name
-    return Service(engine, pair, name, lock)
+    service = Service(engine, pair, name, lock)
+    service.policy = access.policy(args)
+    return service
