@@ -265,6 +265,12 @@ def test_an_unauthorized_body_is_not_read(server):
     assert (status, body["error"]["code"], closed) == (401, "invalid_api_key", True) and elapsed < 1.0
 
 
+def test_oversized_headers_are_400(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(_head("/v1/completions", KEYS[0], X_Padding="x" * 20_000))
+        assert sock.recv(65536).startswith(b"HTTP/1.1 400 ")
+
+
 # --- fuzz -----------------------------------------------------------------------------------------
 LEAF = st.one_of(
     st.none(),
@@ -383,6 +389,19 @@ def test_require_api_key_refuses_to_start_without_one():
     run = _serve("--host", "0.0.0.0", "--port", "1", "--require-api-key")
     assert run.returncode == 2 and "--require-api-key: no API key is set" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr and "serving" not in run.stderr
+
+
+def test_a_public_host_without_a_key_warns_at_start_up(monkeypatch, capsys):
+    from batchspec import server
+
+    monkeypatch.delenv(access.ENV_KEY, raising=False)
+    monkeypatch.setattr(server, "run_cli", lambda args: 0)  # nothing is bound
+    assert cli.main(["serve", "--pair", "tiny", "--host", "0.0.0.0", "--port", "1"]) == 0
+    warning = capsys.readouterr().err
+    assert warning.count("\n") == 1 and "warning: serving on 0.0.0.0 without an API key" in warning
+    assert "--api-key" in warning
+    assert cli.main(["serve", "--pair", "tiny", "--host", "0.0.0.0", "--port", "1", "--api-key", "k"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_options_that_would_leave_the_server_open_are_errors(tmp_path, monkeypatch, capsys):
