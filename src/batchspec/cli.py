@@ -15,13 +15,14 @@ import json
 import os
 import sys
 
-from . import access, bench, equivalence, methods, tp
+from . import access, bench, diskcache, equivalence, methods, tp
 from .config import PROPOSERS, EngineConfig, SamplingParams
 from .engine import SpecDecoder
 from .errors import BatchspecError
 from .models import DTYPES, PAIRS, load_pair, target_config
 from .prompts import Prompt, read_prompts
 from .speculation import AUTO_K_MAX
+from .stats import startup_text
 
 PROPOSER_HELP = (
     "draft model, n-gram lookup, the draft head reading the target's features, or lookup first and "
@@ -56,6 +57,14 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         help="shard the target over N processes with transformers' tensor-parallel plan (started with "
         "torch.distributed.run unless already under torchrun; docs/scale-out.md)",
     )
+    g = p.add_argument_group("start-up (what is measured or converted once is kept on disk)")
+    g.add_argument(
+        "--tuning-cache",
+        metavar="DIR",
+        help=f"the cache directory: machine measurements and converted GGUF files (default: ${diskcache.ENV}, "
+        "else $XDG_CACHE_HOME/batchspec, else ~/.cache/batchspec)",
+    )
+    g.add_argument("--no-tuning-cache", action="store_true", help="measure and convert afresh; read and write no cache")
 
 
 def _prompt_options(p: argparse.ArgumentParser) -> None:
@@ -138,7 +147,27 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=1, help="runs of each method, interleaved (default 1)")
     b.add_argument("--plot", metavar="OUT.png", help="write the throughput / stage plot")
     _serve_parser(sub)
+    _tune_parser(sub)
     return parser
+
+
+def _tune_parser(sub) -> None:
+    """`batchspec tune`: load a pair and measure what a decoder would at its first run, into the cache."""
+    p = sub.add_parser(
+        "tune",
+        help="convert the models and measure this machine once, into the cache (e.g. in a container build)",
+        description="Load the pair (a GGUF is converted once) and take the measurements a decoder takes when it "
+        "starts (linear-layer formulations, and with -k auto the step-cost probes) for each batch size, so that "
+        "later generate/serve/bench runs with the same options start without measuring.",
+    )
+    _model_options(p)
+    g = p.add_argument_group("decoding (as the later runs will use them)")
+    g.add_argument("--batch-sizes", default="8", help="comma-separated batch sizes to measure for (default 8)")
+    g.add_argument("-k", type=k_value, default="auto", help=K_HELP)
+    g.add_argument("--proposer", choices=list(PROPOSERS), help=PROPOSER_HELP)
+    g.add_argument("--branches", type=branches_value, default=1, help=BRANCHES_HELP)
+    g.add_argument("--json", metavar="OUT", help="write what was measured or reused, and the times, to OUT")
+    p.set_defaults(run=cmd_tune)
 
 
 def _serve_parser(sub) -> None:
@@ -420,6 +449,27 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    batch_sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
+    configs = [
+        EngineConfig(batch_size=b, k=args.k, proposer=args.proposer, branches=args.branches, progress=False)
+        for b in batch_sizes
+    ]
+    if diskcache.root() is None:
+        raise BatchspecError("the cache is off (--no-tuning-cache or BATCHSPEC_CACHE=off): nothing to fill")
+    pair = load_models(args)
+    runs = []
+    for config in configs:
+        dec = SpecDecoder(pair, config)
+        dec.prepare()
+        runs.append({"batch_size": config.batch_size, "k": config.k, "proposer": dec.proposer_name} | dec.startup)
+        print(f"batch {config.batch_size}, k {config.k}, {dec.proposer_name}{startup_text(dec.startup)}")
+    print(f"cache: {diskcache.root()}")
+    if args.json:
+        write_json(args.json, {"cache": str(diskcache.root()), "runs": runs})
+    return 0
+
+
 def k_value(text: str) -> int | str:
     """-k: "auto" or an integer (range checks are EngineConfig's)."""
     if str(text).strip().lower() == "auto":
@@ -470,6 +520,17 @@ def write_json(path: str, data: dict) -> None:
         f.write("\n")
 
 
+def use_cache_options(args) -> None:
+    """--tuning-cache / --no-tuning-cache, through the environment so that every process this one
+    starts (tensor-parallel ranks, replicas) uses the same cache."""
+    if args.tuning_cache and args.no_tuning_cache:
+        raise BatchspecError("give --tuning-cache DIR or --no-tuning-cache, not both")
+    if args.no_tuning_cache:
+        os.environ[diskcache.ENV] = "off"
+    elif args.tuning_cache:
+        os.environ[diskcache.ENV] = os.path.abspath(args.tuning_cache)
+
+
 def start_ranks(args, argv: list[str]) -> int | None:
     """--tp N: check the target can be split, then start N ranks (tp.py) and return their exit
     status; or, in a rank, join the group and return None. Rank 0 prints and writes files; the
@@ -493,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
+        use_cache_options(args)
         if args.tp != 1 and (status := start_ranks(args, argv)) is not None:
             return status
         if args.command == "generate":

@@ -178,16 +178,20 @@ class SpecDecoder:
         assert not unfinished, f"method {cfg.method} left sequences unfinished: {unfinished}"
         return self.stats
 
-    def prepare(self) -> None:
-        """Take now the measurements the first run would take (or find them in the cache)."""
-        self._speculation()
+    def prepare(self, plain: bool = False) -> None:
+        """Take now the measurements the first run would take (or find them in the cache); `plain`:
+        for plain decoding only (the target's linear layers, no policy)."""
+        started, before = time.perf_counter(), diskcache.tally.copy()
+        if plain:
+            make_speculation(self.config, self.pair.target, None)
+        elif self.speculation is None:
+            self.speculation = make_speculation(self.config, self.pair.target, self.proposer)
+        self.startup |= {"tuning_s": round(time.perf_counter() - started, 3), "tuning": _tuning(before)}
 
     def _speculation(self):
         """The speculation policy, kept across runs (what `auto` learned carries over)."""
         if self.speculation is None:
-            started, before = time.perf_counter(), diskcache.tally.copy()
-            self.speculation = make_speculation(self.config, self.pair.target, self.proposer)
-            self.startup |= {"tuning_s": round(time.perf_counter() - started, 3), "tuning": _tuning(before)}
+            self.prepare()
         return self.speculation
 
     def _output(self, seq: Sequence, prompt, text: str | None) -> GenerationOutput:
@@ -214,9 +218,9 @@ def make_speculation(config: EngineConfig, target, proposer):
     """`Fixed(k)`, or `Adaptive` for k = "auto" (probes the costs of a batch of `batch_size` rows).
     First the models' linear layers measure every row count a step can feed them (linears.py)."""
     rows = config.batch_size * (config.k_max + 1)
-    for model in (target, getattr(proposer, "model", None)):
-        if model is not None:
-            linears.prepare(model, rows)
+    for model, most in ((target, max(rows, linears.LARGE)), (getattr(proposer, "model", None), rows)):
+        if model is not None:  # the target's prefill chunks reach the largest bucket
+            linears.prepare(model, most)
     if config.k == "auto" and proposer is not None:
         return Adaptive(target, proposer, config.batch_size, config.k_max)
     return Fixed(config.k_max)

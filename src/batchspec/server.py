@@ -38,6 +38,7 @@ from .online import Chunk, OnlineEngine, QueueFull, ShuttingDown
 from .online import Request as EngineRequest
 from .sampling import request_seed
 from .sequence import Sequence
+from .stats import startup_text
 
 #: KV tokens per row of the batch when --kv-budget is not given (or the model's context, if smaller).
 DEFAULT_KV_PER_ROW = 2048
@@ -66,6 +67,7 @@ class Service:
         self.k, self.budget, self.context = engine.ctx.slots, engine.budget, pair.context_len
         self.rejected: dict[str, int] = {}  # outcome -> requests refused before the engine
         self.policy = access.Policy()  # keys and body bounds (build_service sets the options')
+        self.startup: dict = {}  # load and tuning seconds (SpecDecoder.startup)
 
     def refused(self, outcome: str) -> None:
         self.rejected[outcome] = self.rejected.get(outcome, 0) + 1
@@ -331,7 +333,8 @@ def run_cli(args) -> int:
     app = create_app(service)
     print(
         f"batchspec: serving {service.model_name!r} on http://{args.host}:{args.port} "
-        f"(k={0 if args.no_spec else args.k}, {service.engine.capacity} rows, KV budget {service.budget} tokens)",
+        f"(k={0 if args.no_spec else args.k}, {service.engine.capacity} rows, KV budget {service.budget} tokens)"
+        + startup_text(service.startup),
         file=sys.stderr,
         flush=True,
     )
@@ -352,7 +355,7 @@ def build_service(args) -> Service:
     """The pair, the proposer and the online engine from `batchspec serve`'s options."""
     from . import tp
     from .cli import load_models
-    from .engine import SpecDecoder, make_speculation
+    from .engine import SpecDecoder
     from .step import Context
 
     if args.max_queue < 0:
@@ -372,13 +375,14 @@ def build_service(args) -> Service:
         raise BatchspecError(f"--kv-budget must leave room for a prompt token and {slots + 1} draft slots")
     pair = load_models(args)
     decoder = SpecDecoder(pair, config)  # builds and checks the proposer
+    decoder.prepare(plain=args.no_spec)  # the machine's measurements, from the cache where it has them
     ctx = Context(
         target=pair.target,
         proposer=None if args.no_spec else decoder.proposer,
         k=k,
         pad_id=pair.pad_id,
         device=pair.device,
-        speculation=None if args.no_spec else make_speculation(config, pair.target, decoder.proposer),
+        speculation=None if args.no_spec else decoder.speculation,
     )
     budget = args.kv_budget_tokens or config.batch_size * min(pair.context_len, DEFAULT_KV_PER_ROW)
     lock = threading.Lock()
@@ -394,4 +398,5 @@ def build_service(args) -> Service:
     name = args.served_model_name or pair.name
     service = Service(engine, pair, name, lock)
     service.policy = access.policy(args)
+    service.startup = decoder.startup
     return service
