@@ -186,8 +186,10 @@ def test_two_processes_tuning_at_once_then_a_third_finds_it_all(cache):
     assert run["tuning"] == "cached" and run["tuning_s"] < 5
 
 
-def test_tune_refuses_when_the_cache_is_off():
+def test_tune_refuses_when_the_cache_is_off(monkeypatch):
     from batchspec.cli import main
+
+    monkeypatch.setenv(diskcache.ENV, os.environ.get(diskcache.ENV, ""))  # restored after: main sets it
 
     assert main(["tune", "--pair", "tiny", "--no-tuning-cache"]) == 2
     assert main(["generate", "--pair", "tiny", "--tuning-cache", "x", "--no-tuning-cache", "hi"]) == 2

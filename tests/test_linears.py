@@ -144,6 +144,7 @@ def test_decoding_with_each_form_equals_reference(form, method, monkeypatch):
     in float32 (it takes no float64), against a reference in that formulation too."""
     dtype = DTYPE[form]
     pair = tiny_pair(dtype=dtype)
+    monkeypatch.setenv("BATCHSPEC_CACHE", "off")  # every choice made here, none recalled
     monkeypatch.setattr(linears.FormTable, "_fastest", lambda self, rows: form)
     prompts = random_prompts(4, 6, 1, 40)
     dec = SpecDecoder(pair, method=method, k=3, batch_size=3, check_invariants=True)

@@ -241,5 +241,7 @@ def _weights_sha256(model) -> str:
 
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        t = p.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t  # a tensor-parallel shard: this rank's part
+        h.update(t.reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return "weights:" + h.hexdigest()
