@@ -154,3 +154,52 @@ def test_a_failing_request_fails_alone(tiny64):
     finally:
         engine.shutdown()
     assert not engine.thread.is_alive()
+
+
+def test_a_failed_step_fails_its_rows_and_the_rebuilt_batch_serves_on(tiny64, monkeypatch):
+    """A fault injected into the third decode step: the two running rows end with "error", the
+    request still waiting keeps its place, the batch is rebuilt with empty caches, and what runs
+    after it (the waiting request, and one submitted later) equals the reference."""
+    from batchspec import loop as loop_module
+
+    calls = {"n": 0}
+    real_step = loop_module.decode_step
+
+    def flaky(ctx, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected fault")
+        return real_step(ctx, batch)
+
+    monkeypatch.setattr(loop_module, "decode_step", flaky)
+    ctx = _context(tiny64)
+    engine = OnlineEngine(ctx, 2, 256, _byte_decode).start()
+    prompts = random_prompts(74, 4, 3, 12)
+    results = {i: [] for i in range(4)}
+    finished = {i: threading.Event() for i in range(4)}
+
+    def sink(i):
+        def emit(chunk: Chunk):
+            results[i].append(chunk)
+            if chunk.finish_reason:
+                finished[i].set()
+
+        return emit
+
+    try:
+        for i in range(3):
+            engine.submit(Request(_seq(tiny64, prompts[i], SamplingParams(max_new_tokens=30)), sink(i)))
+        assert all(finished[i].wait(60) for i in range(3))
+        assert [results[i][-1].finish_reason for i in range(3)] == ["error", "error", "length"]
+        assert "injected fault" in results[0][-1].error
+        tokens = lambda i: [t for c in results[i] for t in c.token_ids]  # noqa: E731
+        assert tokens(2) == reference_tokens(tiny64, [prompts[2]], 30)[0]
+        engine.submit(Request(_seq(tiny64, prompts[3], SamplingParams(max_new_tokens=30)), sink(3)))
+        assert finished[3].wait(60)
+        assert tokens(3) == reference_tokens(tiny64, [prompts[3]], 30)[0]
+        time.sleep(0.2)
+        assert engine.counters.outcomes == {"error": 2, "length": 2}
+        assert engine.counters.running == 0 and engine.counters.kv_slots_used == 0 and engine.queued == 0
+    finally:
+        engine.shutdown()
+    assert not engine.thread.is_alive()

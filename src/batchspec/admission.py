@@ -7,10 +7,16 @@ chunk together are prefilled together, in length buckets (little padding); a pro
 the chunk is fed alone, chunk by chunk, into its own cache, then moved into the batch once
 complete (one copy).
 
-The chunk follows measured costs: chunk = share x (decode step time) / (prefill time per token),
-both exponential averages of the steps and prefills actually timed, so prefill adds about `share`
-of a step to each step. While no row is running there is nothing to stall, and every waiting
-prompt that fits is prefilled at once.
+The chunk follows measured costs. A prefill forward of n tokens costs a + b n seconds (`PrefillCost`:
+a fixed part, the weights streamed once, and a part per token, fitted to the prefills timed), so
+the chunk is the n whose forward costs `share` decode steps: n = (share x step - a) / b, and never
+less than a / b (below it the fixed part is most of the forward: the per-token cost spirals up as
+chunks shrink, which a mean per token mistook for the price of prefill and answered with ever
+smaller chunks: 16 tokens per iteration, rows idle for seconds). `share` grows with the rows that
+are idle for want of admission: share = SHARE x (running + idle rows with a prompt waiting) /
+running, so one running row does not hold fifteen waiting ones at a trickle, while a full batch
+pays at most SHARE steps per iteration for a late arrival. While no row is running there is
+nothing to stall, and every waiting prompt that fits is prefilled at once.
 
 A policy that often drafts nothing (`-k auto`) leaves the proposer's cache empty here: the batch
 feeds it a row's tokens when a step first drafts for that row (`RaggedBatch.warm`).
@@ -31,17 +37,52 @@ from .static import buckets
 from .step import Context, feed, prefill
 
 MIN_CHUNK = 16  # a measured chunk never drops below this (tiny chunks waste a forward each)
+#: Decode steps' worth of prefill one iteration may add while every row is busy (see above).
+#: Measured (docs/serving.md, "Admission"): at 1 a late 1,598-token prompt stalled no running row
+#: by more than a step but 16 clients got 0.72x the throughput of a 2,048-token chunk; at 4 the
+#: throughput of the 2,048-token chunk at 4 and 16 clients, with the running rows' worst step at
+#: 0.96 s instead of 3.1 s while the long prompt arrives.
+SHARE = 4.0
+#: Weight of one timed prefill in the cost fit's sums (a memory of about 1 / PREFILL_RATE).
+PREFILL_RATE = 0.1
+
+
+class PrefillCost:
+    """Seconds of a prefill forward of n tokens, a + b n (a, b >= 0), fitted by least squares to
+    exponentially weighted observations."""
+
+    def __init__(self):
+        self.sums = [0.0] * 5  # weighted 1, n, n^2, t, n t
+        self.a, self.b = 0.0, None  # b None: nothing timed yet
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        n = float(max(tokens, 1))
+        point = (1.0, n, n * n, seconds, n * seconds)
+        self.sums = [(1 - PREFILL_RATE) * s + x for s, x in zip(self.sums, point)]
+        w, sn, snn, st, snt = self.sums
+        det = w * snn - sn * sn
+        b = (w * snt - sn * st) / det if det > 1e-9 * max(w * snn, 1e-30) else 0.0
+        if b <= 0:  # one size seen, or noise: all per token
+            self.a, self.b = 0.0, st / sn
+            return
+        a = (st - b * sn) / w
+        self.a, self.b = (a, b) if a >= 0 else (0.0, snt / snn)
+
+    def tokens_for(self, seconds: float) -> int:
+        """The largest n whose forward fits in `seconds` (and at least a / b)."""
+        b = max(self.b, 1e-12)
+        return round(max(seconds - self.a, self.a) / b)
 
 
 class Admission:
     """Waiting sequences (first in, first out) and at most one prompt being fed in chunks."""
 
-    def __init__(self, ctx: Context, fixed_chunk: int | None = None, share: float = 1.0, first_chunk: int = 256):
+    def __init__(self, ctx: Context, fixed_chunk: int | None = None, share: float = SHARE, first_chunk: int = 256):
         self.ctx, self.fixed_chunk, self.share, self.first_chunk = ctx, fixed_chunk, share, first_chunk
         self.waiting: deque[Sequence] = deque()
         self.partial: PaddedBatch | None = None  # one row, fed chunk by chunk
         self.step_s: float | None = None  # decode step seconds (exponential average)
-        self.token_s: float | None = None  # prefill seconds per prompt token (exponential average)
+        self.cost = PrefillCost()  # prefill seconds by tokens per forward
         self.chunks = 0  # prefill forwards that stopped short of a prompt's end
 
     def add(self, seq: Sequence) -> None:
@@ -62,27 +103,31 @@ class Admission:
             batch.unreserve(self.partial.seqs)
             self.partial = None
 
-    @property
-    def chunk(self) -> int:
-        """Prompt tokens one iteration may prefill while rows are running."""
+    def chunk(self, running: int = 1, idle: int = 0) -> int:
+        """Prompt tokens one iteration may prefill while `running` rows decode and `idle` free
+        rows have a prompt waiting for them."""
         if self.fixed_chunk is not None:
             return self.fixed_chunk
-        if self.step_s is None or self.token_s is None:
+        if self.step_s is None or self.cost.b is None:
             return self.first_chunk
-        return max(MIN_CHUNK, int(self.share * self.step_s / self.token_s))
+        share = self.share * (running + idle) / max(running, 1)
+        return max(MIN_CHUNK, self.cost.tokens_for(share * self.step_s))
 
     def observe_step(self, seconds: float) -> None:
         self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
 
     def _observe_prefill(self, tokens: int, seconds: float) -> None:
-        per_token = seconds / max(tokens, 1)
-        self.token_s = per_token if self.token_s is None else 0.8 * self.token_s + 0.2 * per_token
+        self.cost.observe(tokens, seconds)
 
     def admit(self, batch) -> list[Sequence]:
         """One iteration's prefill work for `batch` (a RaggedBatch). Returns the sequences that
         finished at their first token (they never enter the batch)."""
         # None: nothing running, nothing to stall. A measured chunk is rank 0's on every rank (tp.py).
-        limit = (self.chunk if self.fixed_chunk is not None else tp.agree(self.chunk)) if len(batch) else None
+        limit = None
+        if len(batch):
+            idle = min(batch.free, len(self.waiting)) + (self.partial is not None)
+            limit = self.chunk(len(batch), idle)
+            limit = limit if self.fixed_chunk is not None else tp.agree(limit)
         spent, finished = 0, []
         if self.partial is not None:
             spent, finished = self._feed(batch, limit)

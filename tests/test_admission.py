@@ -1,0 +1,56 @@
+"""Admission's chunk (admission.py): the prefill cost fit recovers a + b n, the chunk is the prefill
+that costs `share` decode steps (never below the size where the fixed part dominates), and it
+grows with the rows left idle for want of admission."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batchspec.admission import MIN_CHUNK, Admission, PrefillCost
+
+
+@given(
+    a=st.floats(0.0, 0.2),
+    b=st.floats(1e-5, 1e-2),
+    sizes=st.lists(st.integers(1, 2048), min_size=3, max_size=40).filter(lambda xs: len(set(xs)) > 1),
+)
+def test_the_fit_recovers_an_affine_cost(a, b, sizes):
+    cost = PrefillCost()
+    for n in sizes:
+        cost.observe(n, a + b * n)
+    assert abs(cost.b - b) <= 1e-6 * max(1.0, b) + 1e-9
+    assert abs(cost.a - a) <= 1e-6 + 1e-6 * a
+
+
+def test_one_size_seen_is_all_per_token():
+    cost = PrefillCost()
+    for _ in range(5):
+        cost.observe(100, 0.5)
+    assert cost.a == 0.0 and abs(cost.b - 0.005) < 1e-12
+
+
+def test_the_chunk_costs_share_steps_and_never_less_than_the_fixed_part_pays_for():
+    adm = Admission(ctx=None)
+    for n in (16, 64, 256, 1024):
+        adm.cost.observe(n, 0.05 + 0.001 * n)  # a = 50 ms, b = 1 ms per token
+    adm.observe_step(0.2)
+    assert adm.chunk(running=8, idle=0) == 150  # (0.2 - 0.05) / 0.001
+    assert adm.chunk(running=8, idle=8) == 350  # share doubles: (0.4 - 0.05) / 0.001
+    adm.step_s = 0.06  # a fast step: the chunk where the fixed part is half the forward
+    assert adm.chunk(running=8, idle=0) == 50
+    assert adm.chunk(running=1, idle=15) >= adm.chunk(running=8, idle=8) >= adm.chunk(running=8, idle=0)
+
+
+@given(steps=st.lists(st.floats(1e-3, 1.0), min_size=1, max_size=5), running=st.integers(1, 16))
+def test_the_chunk_is_at_least_min_chunk(steps, running):
+    adm = Admission(ctx=None)
+    adm.cost.observe(10, 5.0)  # absurdly slow prefill
+    for s in steps:
+        adm.observe_step(s)
+    assert adm.chunk(running, 0) >= MIN_CHUNK
+
+
+def test_a_fixed_chunk_is_kept_and_the_first_is_the_default():
+    assert Admission(ctx=None, fixed_chunk=77).chunk(4, 4) == 77
+    assert Admission(ctx=None).chunk(4, 0) == Admission(ctx=None).first_chunk
