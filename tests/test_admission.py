@@ -31,7 +31,7 @@ def test_one_size_seen_is_all_per_token():
 
 
 def test_the_chunk_costs_share_steps_and_never_less_than_the_fixed_part_pays_for():
-    adm = Admission(ctx=None)
+    adm = Admission(ctx=None, share=1.0)
     for n in (16, 64, 256, 1024):
         adm.cost.observe(n, 0.05 + 0.001 * n)  # a = 50 ms, b = 1 ms per token
     adm.observe_step(0.2)
