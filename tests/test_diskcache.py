@@ -230,3 +230,14 @@ def test_the_gguf_conversion_gives_the_gguf_weights_and_tokenizer(default_pair, 
     monkeypatch.setenv(diskcache.ENV, session)
     half = models.load_pair("default", dtype="bfloat16").target.state_dict()  # from the converted directory
     assert all(torch.equal(half[name], theirs[name].to(torch.bfloat16)) for name in theirs)
+
+
+def test_a_fit_measured_in_this_process_is_left_to_the_online_factors(cache, monkeypatch):
+    monkeypatch.setattr(speculation, "DRIFT_STEPS", 4)
+    pair = tiny_pair()
+    policy = speculation.Adaptive(pair.target, _ngram(pair), 2, k_max=2)  # measured: the cache is empty
+    assert not costmodel.from_disk(pair.target, 2, 3)
+    policy.step_cost.load = 10.0  # far outside the band
+    for _ in range(8):
+        policy._check_drift()
+    assert not policy.reprobed

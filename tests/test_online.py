@@ -173,7 +173,7 @@ def test_a_failed_step_fails_its_rows_and_the_rebuilt_batch_serves_on(tiny64, mo
 
     monkeypatch.setattr(loop_module, "decode_step", flaky)
     ctx = _context(tiny64)
-    engine = OnlineEngine(ctx, 2, 256, _byte_decode).start()
+    engine = OnlineEngine(ctx, 2, 256, _byte_decode)  # started once the first three are queued
     prompts = random_prompts(74, 4, 3, 12)
     results = {i: [] for i in range(4)}
     finished = {i: threading.Event() for i in range(4)}
@@ -189,6 +189,7 @@ def test_a_failed_step_fails_its_rows_and_the_rebuilt_batch_serves_on(tiny64, mo
     try:
         for i in range(3):
             engine.submit(Request(_seq(tiny64, prompts[i], SamplingParams(max_new_tokens=30)), sink(i)))
+        engine.start()
         assert all(finished[i].wait(60) for i in range(3))
         assert [results[i][-1].finish_reason for i in range(3)] == ["error", "error", "length"]
         assert "injected fault" in results[0][-1].error

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 from helpers import one_thread, random_prompts, reference_tokens
 from test_server import Server
@@ -22,10 +23,15 @@ needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="
 HEADER = "x-batchspec-replica"
 
 
+KEY = "sk-replicas-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 @pytest.fixture(scope="module")
 def replicas():
-    options = ("--replicas", "2", "--batch-size", "4", "-k", "3", "--max-queue", "8")
+    options = ("--replicas", "2", "--batch-size", "4", "-k", "3", "--max-queue", "8", "--api-key", KEY)
     srv = Server(*options, ready="batchspec: serving on", ready_s=180)
+    srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     yield srv
     assert srv.stop() == 0, srv.output()[-4000:]
 
@@ -68,9 +74,24 @@ def _metrics(srv) -> tuple[str, dict[str, float]]:
 
 
 @needs_ray
+def test_the_key_is_checked_behind_ray_serves_proxy(replicas):
+    """`--api-key` under `--replicas`: each replica's app checks it, so the proxy's answers do."""
+    wrong = openai.OpenAI(base_url=replicas.url + "/v1", api_key="sk-wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError) as err:
+        wrong.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4)
+    assert err.value.body["code"] == "invalid_api_key"
+    assert httpx.post(replicas.url + "/v1/completions", json={"model": "tiny"}, timeout=30).status_code == 401
+    assert httpx.get(replicas.url + "/health", timeout=10).status_code == 200
+    ids = replicas.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0)
+    assert ids.choices[0].finish_reason in ("length", "stop")
+
+
+@needs_ray
 def test_a_dropped_stream_leaves_no_running_row(replicas):
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8000, "temperature": 0, "stream": True}
-    with httpx.stream("POST", replicas.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=30) as r:
+    with httpx.stream(
+        "POST", replicas.url + "/v1/completions", json={**body, "ignore_eos": True}, headers=AUTH, timeout=30
+    ) as r:
         name, lines = r.headers[HEADER], r.iter_lines()
         assert next(lines).startswith("data: ")
     deadline, seen = time.monotonic() + 30, None
@@ -93,7 +114,7 @@ def test_past_the_queue_bound_requests_are_refused_at_once(replicas):
     url = replicas.url + "/v1/completions"
     body = {"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 100, "ignore_eos": True}
     with ThreadPoolExecutor(48) as pool:
-        codes = list(pool.map(lambda _: httpx.post(url, json=body, timeout=60).status_code, range(48)))
+        codes = list(pool.map(lambda _: httpx.post(url, json=body, headers=AUTH, timeout=60).status_code, range(48)))
     assert codes.count(503) >= 1 and codes.count(200) >= 8 and set(codes) <= {200, 429, 503}, codes
 
 

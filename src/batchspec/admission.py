@@ -45,6 +45,9 @@ MIN_CHUNK = 16  # a measured chunk never drops below this (tiny chunks waste a f
 SHARE = 4.0
 #: Weight of one timed prefill in the cost fit's sums (a memory of about 1 / PREFILL_RATE).
 PREFILL_RATE = 0.1
+#: The fit separates a from b only once the sizes timed spread by this much (their standard
+#: deviation over their mean); before, the cost is all per token.
+SPREAD = 0.25
 
 
 class PrefillCost:
@@ -60,9 +63,9 @@ class PrefillCost:
         point = (1.0, n, n * n, seconds, n * seconds)
         self.sums = [(1 - PREFILL_RATE) * s + x for s, x in zip(self.sums, point)]
         w, sn, snn, st, snt = self.sums
-        det = w * snn - sn * sn
-        b = (w * snt - sn * st) / det if det > 1e-9 * max(w * snn, 1e-30) else 0.0
-        if b <= 0:  # one size seen, or noise: all per token
+        det = w * snn - sn * sn  # w^2 x the weighted variance of n
+        b = (w * snt - sn * st) / det if det > (SPREAD * sn) ** 2 else 0.0
+        if b <= 0:  # sizes too alike to separate a from b (noise would make a / b explode): per token
             self.a, self.b = 0.0, st / sn
             return
         a = (st - b * sn) / w

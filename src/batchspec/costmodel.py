@@ -23,7 +23,7 @@ from collections import deque
 
 import torch
 
-from . import diskcache, kv
+from . import diskcache, kv, tp
 
 #: Weight of one timed step in the load factor (every width) and in its width's scale; their bounds
 #: (1 / limit .. limit).
@@ -189,17 +189,24 @@ def probe(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768), fres
     key = (rows, q_max, spans, next(model.parameters()).dtype)
     per_model = _PROBES.setdefault(model, {})
     if key in per_model and not fresh:
-        return per_model[key]
+        return per_model[key][0]
     disk = probe_key(model, rows, q_max, spans)
-    stored = None if fresh else diskcache.read("step-probes", disk)
+    # Tensor-parallel ranks probe together (the forwards all-reduce) or not at all: rank 0's record.
+    stored = tp.agree(None if fresh else diskcache.read("step-probes", disk))
     if _valid_samples(stored):
-        per_model[key] = [tuple(s) for s in stored]
+        per_model[key] = ([tuple(s) for s in stored], True)
         diskcache.tally["cached"] += 1
-        return per_model[key]
-    per_model[key] = _measure(model, rows, q_max, spans)
+        return per_model[key][0]
+    per_model[key] = (_measure(model, rows, q_max, spans), False)
     diskcache.tally["measured"] += 1
-    diskcache.write("step-probes", disk, per_model[key])
-    return per_model[key]
+    diskcache.write("step-probes", disk, per_model[key][0])
+    return per_model[key][0]
+
+
+def from_disk(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768)) -> bool:
+    """Whether `probe(model, rows, q_max, spans)` came from the disk cache (not measured here)."""
+    found = _PROBES.get(model, {}).get((rows, q_max, spans, next(model.parameters()).dtype))
+    return bool(found and found[1])
 
 
 def probe_key(model, rows: int, q_max: int, spans: tuple[int, int]) -> dict:

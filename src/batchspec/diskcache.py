@@ -2,9 +2,10 @@
 measurements of the machine (`tuning`: the linear layers' formulations, the step-cost probes) and
 GGUF files converted once to a safetensors directory (`models`).
 
-Where: `configure(directory)` (the CLI's `--tuning-cache DIR`), else `$BATCHSPEC_CACHE`, else
-`$XDG_CACHE_HOME/batchspec`, else `~/.cache/batchspec`; `configure(enabled=False)`
-(`--no-tuning-cache`, or `BATCHSPEC_CACHE=off`) turns it off. Invariants:
+Where: `$BATCHSPEC_CACHE` (the CLI's `--tuning-cache DIR` sets it, for the processes it starts
+too), else `$XDG_CACHE_HOME/batchspec`, else `~/.cache/batchspec`; `BATCHSPEC_CACHE=off`
+(`--no-tuning-cache`) turns it off. Nothing is evicted: a converted GGUF takes its float32 size
+(about 5.5x a 4-bit file); delete the directory to reclaim it. Invariants:
 - a record is found only under the full key it was written with: the key (every input the value
   depends on) is stored in the record and compared on read, so a hash collision or a foreign file
   is a miss, never a wrong value;
@@ -35,22 +36,14 @@ FORMAT = 1
 #: A converted directory is complete when this file is in it (written last, before the rename).
 DONE = "batchspec-complete.json"
 
-_setting: dict = {"directory": None, "enabled": True}
 _warned: set[str] = set()
 #: Process-wide: how many measurements were taken ("measured") and how many reused ("cached").
 tally: Counter = Counter()
 
 
-def configure(directory: str | None = None, enabled: bool = True) -> None:
-    """Set the cache directory for this process (None: from the environment), or turn it off."""
-    _setting.update(directory=directory, enabled=enabled)
-
-
 def root() -> Path | None:
     """The cache directory in force, or None when the cache is off."""
-    if not _setting["enabled"]:
-        return None
-    chosen = _setting["directory"] or os.environ.get(ENV)
+    chosen = os.environ.get(ENV)
     if chosen and chosen.strip().lower() in OFF:
         return None
     if chosen:
@@ -84,8 +77,10 @@ def file_identity(path: str) -> str:
 def machine() -> dict:
     """What a timing depends on besides the model: the CPU and its flags, threads, versions."""
     import torch
+    import torch.distributed as dist
 
-    return _platform() | {"threads": torch.get_num_threads()}
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return _platform() | {"threads": torch.get_num_threads(), "tensor_parallel": world}
 
 
 @functools.cache
@@ -102,7 +97,6 @@ def _platform() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "batchspec": __version__,
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 
@@ -134,9 +128,11 @@ def _record_path(kind: str, key: dict) -> Path | None:
 def read(kind: str, key: dict):
     """The value stored under `key`, or None (no cache, no record, a foreign or corrupt one)."""
     path = _record_path(kind, key)
-    if path is None or not path.exists():
+    if path is None:
         return None
     try:
+        if not path.exists():
+            return None
         record = json.loads(path.read_text(encoding="utf-8"))
         if record.get("format") != FORMAT or record.get("key") != json.loads(json.dumps(key, default=str)):
             return None
@@ -156,6 +152,7 @@ def write(kind: str, key: dict, value) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
         try:
+            os.fchmod(fd, 0o644)  # mkstemp's file is private: let another user (a container's) read it
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
             os.replace(tmp, path)
@@ -180,9 +177,9 @@ def directory(kind: str, name: str, fill: Callable[[Path], None]) -> Path | None
     if base is None:
         return None
     final = base / kind / name
-    if (final / DONE).exists():
-        return final
     try:
+        if (final / DONE).exists():
+            return final
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{name}-"))
     except OSError as err:
@@ -201,6 +198,9 @@ def directory(kind: str, name: str, fill: Callable[[Path], None]) -> Path | None
             return final
         _cannot_write(err)
         return None
+    except BaseException:  # the fill itself failed, or was interrupted: leave nothing half made
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 
@@ -208,7 +208,10 @@ def complete(kind: str, name: str) -> Path | None:
     """`root/kind/name` if it was made completely, else None."""
     base = root()
     found = None if base is None else base / kind / name
-    return found if found is not None and (found / DONE).exists() else None
+    try:
+        return found if found is not None and (found / DONE).exists() else None
+    except OSError:
+        return None
 
 
 def _cannot_write(err: OSError) -> None:
@@ -225,15 +228,18 @@ def _remove(path: str) -> None:
 def model_identity(model) -> dict:
     """What a timing of `model` depends on besides the machine: its class, the shapes, dtypes and
     device of its parameters, and its weights (`model.batchspec_source`, set where it was loaded:
-    a file's hash or identity; else a hash of the weights themselves). Memoised per model."""
-    cached = getattr(model, "_batchspec_identity", None)
-    if cached is not None:
-        return cached
-    params = [(name, list(p.shape), str(p.dtype), str(p.device)) for name, p in model.named_parameters()]
-    source = getattr(model, "batchspec_source", None) or _weights_sha256(model)
-    identity = {"class": type(model).__name__, "source": source, "params": digest(params)}
-    object.__setattr__(model, "_batchspec_identity", identity)
-    return identity
+    a file's hash or identity; else a hash of the weights themselves, memoised). The device is its
+    type and, on a GPU, its name: the same on every tensor-parallel rank."""
+    import torch
+
+    params = [(name, list(p.shape), str(p.dtype), p.device.type) for name, p in model.named_parameters()]
+    first = next(model.parameters(), None)
+    gpu = torch.cuda.get_device_name(first.device) if first is not None and first.device.type == "cuda" else None
+    source = getattr(model, "batchspec_source", None)
+    if source is None:  # hashing the weights costs a read of all of them: once per model
+        source = model.__dict__.get("_batchspec_weights") or _weights_sha256(model)
+        model.__dict__["_batchspec_weights"] = source
+    return {"class": type(model).__name__, "source": source, "params": digest(params), "gpu": gpu}
 
 
 def _weights_sha256(model) -> str:

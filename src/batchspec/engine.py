@@ -181,10 +181,12 @@ class SpecDecoder:
     def prepare(self, plain: bool = False) -> None:
         """Take now the measurements the first run would take (or find them in the cache); `plain`:
         for plain decoding only (the target's linear layers, no policy)."""
+        if not plain and self.speculation is not None:
+            return  # prepared already
         started, before = time.perf_counter(), diskcache.tally.copy()
         if plain:
             make_speculation(self.config, self.pair.target, None)
-        elif self.speculation is None:
+        else:
             self.speculation = make_speculation(self.config, self.pair.target, self.proposer)
         self.startup |= {"tuning_s": round(time.perf_counter() - started, 3), "tuning": _tuning(before)}
 

@@ -102,7 +102,8 @@ class FormTable:
         """The choice for bucket `rows` from the disk cache (read once per table), or None."""
         if not self._recalled and (key := self._disk_key()) is not None:
             self._recalled = True
-            stored = diskcache.read("linear-forms", key) or {}
+            stored = diskcache.read("linear-forms", key)
+            stored = stored if isinstance(stored, dict) else {}
             known = {int(b): n for b, n in stored.items() if str(b).isdigit() and n in FORMS}
             self.choice = known | self.choice
         name = self.choice.get(rows)

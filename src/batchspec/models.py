@@ -344,27 +344,37 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def gguf_name(path: str) -> str:
-    """The converted directory's name for a GGUF file: its content hash."""
-    return "gguf-" + diskcache.file_sha256(path)[:32]
+    """The converted directory's name for a GGUF file: its content hash, and the transformers
+    version and cache format that converted it."""
+    import transformers
+
+    made_by = f"{transformers.__version__}-{diskcache.FORMAT}"
+    return f"gguf-{diskcache.file_sha256(path)[:32]}-{made_by}"
 
 
 def _load_gguf(path: str, dtype: torch.dtype, tp_size: int = 1):
     """(model, tokenizer) from a GGUF file. Reading one means parsing it (three times, in
     transformers) and dequantizing every tensor: ~30 s for a 135M model on 2 cores. So the first
-    load converts it once into the disk cache (diskcache.py, "models/gguf-<sha256>": float32
-    safetensors, config, tokenizer.json), and every load reads that directory (memory-mapped, under
-    a second), cast to `dtype` as the GGUF load would: the same bits (tests/test_diskcache.py).
-    Without a writable cache the GGUF is read directly."""
+    load converts it once into the disk cache (diskcache.py, "models/gguf-<sha256>-<transformers>":
+    float32 safetensors, config, tokenizer.json), and every load reads that directory
+    (memory-mapped, under a second), cast to `dtype` as the GGUF load would: the same bits
+    (tests/test_diskcache.py). Without a writable cache, or if the conversion or the converted
+    directory fails, the GGUF is read directly (with a warning for a failure)."""
     name = gguf_name(path)
     options = tp.from_pretrained_options(tp_size)
     converted = diskcache.complete("models", name)
-    diskcache.tally["gguf reused" if converted else "gguf converted"] += 1
-    converted = converted or diskcache.directory("models", name, lambda folder: _convert_gguf(path, folder))
-    if converted is not None:
-        model, tokenizer = _from_pretrained(str(converted), dtype, options)
-    else:
-        folder, file = os.path.split(os.path.abspath(path))
-        model, tokenizer = _from_pretrained(folder, dtype, {"gguf_file": file, **options})
+    reused = converted is not None
+    try:
+        converted = converted or diskcache.directory("models", name, lambda folder: _convert_gguf(path, folder))
+        if converted is not None:
+            diskcache.tally["gguf reused" if reused else "gguf converted"] += 1
+            model, tokenizer = _from_pretrained(str(converted), dtype, options)
+            model.batchspec_source = name
+            return model, tokenizer
+    except Exception as err:  # noqa: BLE001 - a cache must never stop a load: read the GGUF itself
+        diskcache.warn_once(f"reading {os.path.basename(path)} directly: its converted copy failed ({err})")
+    folder, file = os.path.split(os.path.abspath(path))
+    model, tokenizer = _from_pretrained(folder, dtype, {"gguf_file": file, **options})
     model.batchspec_source = name
     return model, tokenizer
 

@@ -46,8 +46,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from . import tree
-from .costmodel import StepCost, probe, sync
+from . import tp, tree
+from .costmodel import StepCost, from_disk, probe, sync
 
 #: `-k auto`: the most drafts a row verifies in one step.
 AUTO_K_MAX = 6
@@ -65,9 +65,9 @@ ROW_RATE = 0.3
 #: corrected by steps that test them. Costs at most one 2-token verify per this many steps. After
 #: as many steps that all verified, the next is plain, for the same reason.
 EXPLORE_EVERY = 32
-#: A cost fit whose load factor (timed / fitted) has left 1 / DRIFT .. DRIFT after DRIFT_STEPS
-#: timed steps was measured on another machine state (a cached probe from a quieter or busier
-#: day): it is probed again, once per policy, and the cache updated.
+#: A cost fit read from the disk cache whose load factor (timed / fitted) is outside 1 / DRIFT ..
+#: DRIFT (looked at every DRIFT_STEPS timed steps) was measured on another machine state (a
+#: quieter or busier day): it is probed again, once per policy, and the cache updated.
 DRIFT, DRIFT_STEPS = 2.5, 64
 
 
@@ -255,16 +255,20 @@ class Adaptive:
         }
 
     def _check_drift(self) -> None:
-        """Probe the costs again (once) when the steps timed say a fit is off by DRIFT or more."""
+        """Probe the costs again (once) when the steps timed say a fit read from the disk cache is
+        off by DRIFT or more (a fit measured in this process is left to the online factors).
+        Tensor-parallel ranks decide together (rank 0's clock)."""
         self.timed += 1
-        if self.reprobed or self.timed < DRIFT_STEPS:
-            return
-        if not 1 / DRIFT <= self.step_cost.load <= DRIFT:
+        if self.reprobed or self.timed % DRIFT_STEPS:
+            return  # looked at every DRIFT_STEPS steps, until a fit was probed again
+        q_max = self._columns(self.k_max)
+        if tp.agree(from_disk(self.target, self.capacity, q_max) and _drifted(self.step_cost)):
+            self.step_cost = StepCost(probe(self.target, self.capacity, q_max, fresh=True))
             self.reprobed = True
-            self.step_cost = StepCost(probe(self.target, self.capacity, self._columns(self.k_max), fresh=True))
-        if self.proposer.model is not None and not 1 / DRIFT <= self.prop_cost.load <= DRIFT:
+        model = self.proposer.model
+        if model is not None and from_disk(model, self.capacity, 1) and _drifted(self.prop_cost):
+            self.prop_cost = StepCost(probe(model, self.capacity, 1, fresh=True))  # a whole model per rank
             self.reprobed = True
-            self.prop_cost = StepCost(probe(self.proposer.model, self.capacity, 1, fresh=True))
 
     # --- the model ------------------------------------------------------------------------
     def _estimate(self) -> None:
@@ -314,6 +318,10 @@ class Adaptive:
             dtype=torch.float64,
         )
         return tokens / seconds.clamp(min=1e-9)
+
+
+def _drifted(cost: StepCost) -> bool:
+    return not 1 / DRIFT <= cost.load <= DRIFT
 
 
 def _prior(bins: int) -> torch.Tensor:
