@@ -17,10 +17,10 @@ from batchspec.admission import MIN_CHUNK, Admission, PrefillCost
 )
 def test_the_fit_recovers_an_affine_cost(a, b, sizes):
     cost = PrefillCost()
-    for n in sizes:
+    for n in [*sizes, 1, 2048]:  # the latest, weightiest sizes spread: a and b are separable
         cost.observe(n, a + b * n)
-    assert abs(cost.b - b) <= 1e-6 * max(1.0, b) + 1e-9
-    assert abs(cost.a - a) <= 1e-6 + 1e-6 * a
+    assert abs(cost.b - b) <= 1e-6 * b + 1e-9
+    assert abs(cost.a - a) <= 1e-5
 
 
 def test_sizes_too_alike_do_not_make_the_chunk_explode():
