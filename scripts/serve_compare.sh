@@ -7,7 +7,9 @@
 # ITL (inter-chunk), TPOT (inter-token) and throughput with p50/p99, and sends only what it is told to
 # (guidellm adds `ignore_eos`, which `transformers serve` rejects with 422).
 #
-# Servers: transformers (the peer), batchspec (its defaults), nospec (batchspec --no-spec).
+# Servers: transformers (the peer), batchspec (its defaults), nospec (batchspec --no-spec), and
+#   offline: not a server but `batchspec bench --methods ragged` at B = BATCH_SIZE on the same
+#   Spec-Bench prompts (run at C = BATCH_SIZE only), the engine the server should keep up with.
 # Workloads: specbench (16 Spec-Bench chat prompts, every 30th: real text, where lookup and the draft
 #   head matter) and synthetic (aiperf's own random prompts of ISL tokens).
 # Every request is greedy (temperature 0): transformers' continuous batching takes its sampling
@@ -98,6 +100,14 @@ for ((r = 0; r < rounds; r++)); do
     order=(); for ((i = ${#server_list[@]} - 1; i >= 0; i--)); do order+=("${server_list[$i]}"); done
   fi
   for s in "${order[@]}"; do
+    if [ "$s" = offline ]; then
+      dir="$out/r$r/offline/specbench/c$batch"; mkdir -p "$dir"
+      HF_HUB_OFFLINE=1 "$bin/batchspec" bench --pair default --dtype float32 --methods ragged --batch-sizes "$batch" \
+        --prompts "$specbench" --every 30 --limit "$requests" --max-new-tokens "$max_tokens" --repeats 1 \
+        --json "$dir/offline.json" >"$dir.log" 2>&1 || { echo "offline bench failed: $dir.log" >&2; continue; }
+      echo "  offline      specbench C=$batch: $("$PY" -c "import json,sys; print(round(json.load(open(sys.argv[1]))['runs'][0]['tokens_per_s'], 3))" "$dir/offline.json") tok/s"
+      continue
+    fi
     port=$(free_port); log="$out/r$r-$s.server.log"
     t0=$(date +%s%N)
     pid=$(start "$s" "$port" "$log")

@@ -2,7 +2,8 @@
 
 Usage: python scripts/serve_report.py OUT   (writes OUT/report.md and OUT/serve_compare.png)
 
-Per (workload, server, C): output throughput, TTFT p50/p99, ITL p50/p99 (the gap between streamed
+Per (workload, server, C): output throughput (the offline engine's too, where it ran: prefill
+included, as a client's wall clock counts it), TTFT p50/p99, ITL p50/p99 (the gap between streamed
 chunks, as a client sees it) and TPOT p50 (a request's decode time per token), each the median over
 rounds. Ratios to the peer (`transformers`) are taken within a round, then the median over rounds,
 since one server's speed alone drifts between runs on a shared machine.
@@ -34,6 +35,11 @@ def load(out: Path) -> dict:
         row = {col: data.get(name, {}).get(stat) for col, (name, stat) in METRICS.items()}
         row["errors"] = sum(e.get("count", 1) for e in data.get("error_summary") or [])
         runs[(int(rnd[1:]), server, workload, int(c[1:]))] = row
+    for path in sorted(out.glob("r*/offline/*/c*/offline.json")):  # the offline engine: throughput only
+        rnd, server, workload, c = path.parts[-5:-1]
+        row = dict.fromkeys(METRICS)
+        row["tok/s"], row["errors"] = json.loads(path.read_text())["runs"][0]["tokens_per_s"], 0
+        runs[(int(rnd[1:]), server, workload, int(c[1:]))] = row
     return runs
 
 
@@ -59,6 +65,8 @@ def summarise(runs: dict) -> dict:
             if peer and peer["TTFT p50 ms"] and row["TTFT p50 ms"]:
                 ttft.append(row["TTFT p50 ms"] / peer["TTFT p50 ms"])
         entry["vs peer"], entry["TTFT vs peer"] = median(ratios), median(ttft)
+        online = [row["tok/s"] / off["tok/s"] for rnd, row in rows if (off := runs.get((rnd, "offline", workload, c)))]
+        entry["vs offline"] = median(online) if server != "offline" else None
         entry["rounds"] = len(rows)
         table[(workload, server, c)] = entry
     return table
@@ -68,14 +76,14 @@ def markdown(table: dict) -> str:
     lines = []
     for workload in sorted({w for w, _, _ in table}):
         lines += [f"### {workload}", ""]
-        cols = ["server", "C", *METRICS, "vs peer", "TTFT vs peer", "errors"]
+        cols = ["server", "C", *METRICS, "vs peer", "TTFT vs peer", "vs offline", "errors"]
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for (w, server, c), e in sorted(table.items(), key=lambda kv: (kv[0][2], kv[0][1] != PEER, kv[0][1])):
             if w != workload:
                 continue
             cells = [server, str(c)]
-            for col in [*METRICS, "vs peer", "TTFT vs peer"]:
-                v, ratio = e[col], "peer" in col
+            for col in [*METRICS, "vs peer", "TTFT vs peer", "vs offline"]:
+                v, ratio = e[col], col.startswith(("vs", "TTFT vs"))
                 cells.append("" if v is None or (server == PEER and ratio) else f"{v:.2f}" if ratio else f"{v:.1f}")
             cells.append(str(e["errors"]))
             lines.append("| " + " | ".join(cells) + " |")
@@ -95,7 +103,10 @@ def plot(table: dict, path: Path) -> None:
         for server in sorted({s for w, s, _ in table if w == workload}):
             cs = sorted(c for w, s, c in table if w == workload and s == server)
             for ax, col in zip(row, ("tok/s", "TTFT p50 ms", "ITL p99 ms")):
-                ax.plot(cs, [table[(workload, server, c)][col] for c in cs], marker="o", label=server)
+                points = [(c, table[(workload, server, c)][col]) for c in cs]
+                points = [(c, v) for c, v in points if v is not None]
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=server)
                 ax.set_xscale("log", base=2)
                 ax.set_xticks(cs, [str(c) for c in cs])
                 ax.set_title(f"{workload}: {col}")

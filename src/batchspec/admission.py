@@ -16,7 +16,11 @@ smaller chunks: 16 tokens per iteration, rows idle for seconds). `share` grows w
 are idle for want of admission: share = SHARE x (running + idle rows with a prompt waiting) /
 running, so one running row does not hold fifteen waiting ones at a trickle, while a full batch
 pays at most SHARE steps per iteration for a late arrival. While no row is running there is
-nothing to stall, and every waiting prompt that fits is prefilled at once.
+nothing to stall, and every waiting prompt that fits is prefilled at once; so too while the idle
+rows outnumber the running ones. Chunking moves no prefill work, it only chooses who waits: m
+chunks buy the R running rows m more steps and delay the I idle rows' first steps by m steps, a
+net loss of (I - R) x m row-steps whenever I > R (measured: 16 clients arriving at once, online
+0.83x the offline engine's throughput chunked, 0.9x at once; docs/serving.md, "Admission").
 
 A policy that often drafts nothing (`-k auto`) leaves the proposer's cache empty here: the batch
 feeds it a row's tokens when a step first drafts for that row (`RaggedBatch.warm`).
@@ -106,11 +110,13 @@ class Admission:
             batch.unreserve(self.partial.seqs)
             self.partial = None
 
-    def chunk(self, running: int = 1, idle: int = 0) -> int:
+    def chunk(self, running: int = 1, idle: int = 0) -> int | None:
         """Prompt tokens one iteration may prefill while `running` rows decode and `idle` free
-        rows have a prompt waiting for them."""
+        rows have a prompt waiting for them (None: every waiting prompt that fits)."""
         if self.fixed_chunk is not None:
             return self.fixed_chunk
+        if idle > running:
+            return None
         if self.step_s is None or self.cost.b is None:
             return self.first_chunk
         share = self.share * (running + idle) / max(running, 1)
