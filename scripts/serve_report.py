@@ -1,6 +1,6 @@
 """Tables and a plot from a `scripts/serve_compare.sh` run.
 
-Usage: python scripts/serve_report.py OUT   (writes OUT/report.md and OUT/serve_compare.png)
+Usage: python scripts/serve_report.py OUT   (writes OUT/report.md, OUT/summary.json, OUT/serve_compare.png)
 
 Per (workload, server, C): output throughput (the offline engine's too, where it ran: prefill
 included, as a client's wall clock counts it), TTFT p50/p99, ITL p50/p99 (the gap between streamed
@@ -126,9 +126,11 @@ def main() -> None:
     table = summarise(runs)
     text = markdown(table)
     (out / "report.md").write_text(text)
+    rows = [{"workload": w, "server": s, "C": c, **e} for (w, s, c), e in sorted(table.items())]
+    (out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
     plot(table, out / "serve_compare.png")
     print(text)
-    print(f"wrote {out / 'report.md'} and {out / 'serve_compare.png'}")
+    print(f"wrote {out / 'report.md'}, {out / 'summary.json'} and {out / 'serve_compare.png'}")
 
 
 if __name__ == "__main__":

@@ -149,6 +149,48 @@ def test_a_drifted_cached_fit_is_probed_again_and_the_cache_updated(cache, monke
     assert stored != stale and max(s[3] for s in stored) < min(s[3] for s in stale)
 
 
+def test_a_server_probes_a_drifted_fit_when_idle_not_mid_step(cache, monkeypatch):
+    """`defer` (the online engine sets it): the drift is noted during steps, and the probe, which
+    takes seconds, waits for `idle`, when no request would wait on it."""
+    monkeypatch.setattr(speculation, "DRIFT_STEPS", 4)
+    pair = tiny_pair()
+    key = probe_record(pair)
+    stale = [[b, q, s, t * 100] for b, q, s, t in costmodel.probe(pair.target, 2, 3)]
+    diskcache.write("step-probes", key, stale)
+    fresh_pair = tiny_pair()  # (the pair probed above remembers that probe as measured here)
+    policy = speculation.Adaptive(fresh_pair.target, _ngram(fresh_pair), 2, k_max=2)
+    policy.defer = True
+    policy.step_cost.load = 0.01  # the steps run 100x faster than the cached fit says
+    for _ in range(8):
+        policy._check_drift()
+    assert policy.stale == ["target"] and not policy.reprobed
+    assert diskcache.read("step-probes", key) == stale
+    policy.idle()
+    assert policy.reprobed and not policy.stale
+    assert diskcache.read("step-probes", key) != stale
+
+
+def test_the_online_engine_defers_upkeep_to_idle_moments():
+    from batchspec.online import OnlineEngine
+    from batchspec.step import Context
+
+    pair = tiny_pair()
+    policy = speculation.Adaptive(pair.target, _ngram(pair), 2, k_max=2)
+    calls = []
+    policy.idle = lambda: calls.append(1)
+    ctx = Context(
+        target=pair.target, proposer=_ngram(pair), k=2, pad_id=pair.pad_id, device=pair.device, speculation=policy
+    )
+    engine = OnlineEngine(ctx, 2, 512, pair.decode).start()
+    try:
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.shutdown()
+    assert policy.defer and calls
+
+
 def _ngram(pair):
     from batchspec.proposer import NgramProposer
 

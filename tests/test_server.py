@@ -20,6 +20,8 @@ import openai
 import pytest
 from helpers import random_prompts, reference_tokens
 
+from batchspec import BatchspecError
+
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 
@@ -288,9 +290,9 @@ def test_full_queue_is_refused_at_once_and_sigterm_exits_0():
 
 
 def test_a_draft_tree_served_concurrently_equals_reference():
-    """`serve --proposer eagle --branches 3`: 8 concurrent greedy requests, each equal to the
-    target alone, and the draft slots of a tree counted in the KV budget's check."""
-    srv = Server("--batch-size", "4", "-k", "3", "--proposer", "eagle", "--branches", "3", "--kv-budget", "400")
+    """`serve --proposer eagle --branches 3x2x1 --kv-budget 400`: 8 concurrent greedy requests, each
+    equal to the target alone, and the draft slots of a tree (3 + 2 + 1) counted in the KV budget's check."""
+    srv = Server("--batch-size", "4", "-k", "3", "--proposer", "eagle", "--branches", "3x2x1", "--kv-budget", "400")
     try:
         prompts = random_prompts(83, 8, 2, 30)
 
@@ -303,8 +305,24 @@ def test_a_draft_tree_served_concurrently_equals_reference():
 
         for i, ids in enumerate(asyncio.run(all_of_them())):
             assert ids == reference_tokens_64(prompts[i], 24), f"request {i}"
-        too_long = random_prompts(84, 1, 350, 351)[0]  # 350 + 40 + 10 draft slots > 400
-        with pytest.raises(openai.BadRequestError, match="10 draft slots"):
+        too_long = random_prompts(84, 1, 355, 356)[0]  # 355 + 40 + 7 draft slots > 400
+        with pytest.raises(openai.BadRequestError, match="7 draft slots"):
             _complete(srv, too_long, max_tokens=40)
     finally:
         assert srv.stop() == 0
+
+
+def test_the_kv_budget_check_counts_a_trees_nodes_per_depth():
+    """`--branches 3x2x1 -k 3`: a step writes 3 + 2 + 1 draft slots per row, so a budget must
+    hold 6 + 2 tokens (the check once multiplied k by the tuple of widths)."""
+    from batchspec import cli, server
+
+    def build(budget):
+        argv = ["serve", "--pair", "tiny", "-k", "3", "--proposer", "eagle", "--branches", "3x2x1"]
+        return server.build_service(cli.build_parser().parse_args([*argv, "--kv-budget", str(budget)]))
+
+    with pytest.raises(BatchspecError, match="room for a prompt token and 7 draft slots"):
+        build(7)
+    service = build(8)
+    assert service.k == 6
+    service.engine.shutdown()

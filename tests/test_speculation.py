@@ -28,7 +28,7 @@ class RandomK:
     """A policy that asks for, stops at and verifies random numbers of drafts (seeded)."""
 
     def __init__(self, seed: int, k_max: int = 5, lazy: bool = False):
-        self.rng, self.k_max, self.lazy = random.Random(seed), k_max, lazy
+        self.rng, self.k_max, self.lazy, self.defer = random.Random(seed), k_max, lazy, False
 
     def plan(self, batch) -> int:
         return self.rng.choice([0, 1, self.k_max, self.rng.randint(1, self.k_max)])
@@ -40,6 +40,9 @@ class RandomK:
         return self.rng.randint(0, proposal.drafts.shape[1])
 
     def observe(self, *args) -> None:
+        pass
+
+    def idle(self) -> None:
         pass
 
 

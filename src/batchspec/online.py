@@ -79,6 +79,8 @@ class OnlineEngine:
         self.ctx, self.capacity, self.budget, self.decode = ctx, capacity, budget, decode
         self.max_queue = max_queue
         ctx.observe = self._observe
+        if ctx.speculation is not None:
+            ctx.speculation.defer = True  # its slow upkeep waits for a moment without requests
         self.loop = Loop(ctx, self._new_batch(), prefill_chunk)
         self.requests: dict[int, Request] = {}  # id(seq) -> request, engine thread only
         self.inbox: queue.Queue[Request] = queue.Queue()
@@ -133,6 +135,9 @@ class OnlineEngine:
         with torch.inference_mode():
             while not self._stopped():
                 self.beat = time.monotonic()
+                if not self.loop.busy and self.ctx.speculation is not None and self._quiet():
+                    self.ctx.speculation.idle()  # the policy's slow upkeep, when no request waits on it
+                    self.beat = time.monotonic()
                 self._take_inbox(block=not self.loop.busy)
                 try:
                     finished = self.loop.iterate()
@@ -143,6 +148,10 @@ class OnlineEngine:
                 for seq in finished:
                     self._retire(seq)
                 self._update_gauges()
+
+    def _quiet(self) -> bool:
+        """No request has arrived (the loop is idle)."""
+        return self.inbox.empty()
 
     def _stopped(self) -> bool:
         """When stopping: cancel everything still queued or running; stop once nothing is left."""

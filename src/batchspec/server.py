@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from . import access
+from . import access, tree
 from . import openai_api as api
 from .config import EngineConfig, SamplingParams
 from .errors import BatchspecError
@@ -370,7 +370,7 @@ def build_service(args) -> Service:
         prefill_chunk=args.prefill_chunk,
     )
     k = 0 if args.no_spec else config.k_max
-    slots = k * config.branches  # draft slots a step may write per row (every node of a tree)
+    slots = tree.columns(config.branches, k)  # draft slots a step may write per row (every node of a tree)
     if args.kv_budget_tokens is not None and args.kv_budget_tokens < slots + 2:
         raise BatchspecError(f"--kv-budget must leave room for a prompt token and {slots + 1} draft slots")
     pair = load_models(args)

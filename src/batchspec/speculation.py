@@ -40,6 +40,7 @@ Output never depends on these choices (acceptance.py, sampling.py); only speed d
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from typing import Protocol, runtime_checkable
@@ -77,6 +78,11 @@ class Speculation(Protocol):
 
     k_max: int  # the most drafts a row verifies in one step (KV slots are reserved for it)
     lazy: bool  # may plan plain steps for long: a layout that can warms the proposer's cache on demand
+    defer: bool  # keep slow upkeep (probing costs again) for `idle` instead of doing it mid-step
+
+    def idle(self) -> None:
+        """Upkeep for a moment when no row runs (a server between requests)."""
+        ...
 
     def plan(self, batch) -> int:
         """Drafts to ask the proposer for this step (0: a plain step, no proposer call)."""
@@ -101,7 +107,10 @@ class Fixed:
     lazy = False  # drafts every step: the proposer's cache is fed at admission
 
     def __init__(self, k: int):
-        self.k_max = k
+        self.k_max, self.defer = k, False
+
+    def idle(self) -> None:
+        pass
 
     def plan(self, batch) -> int:
         return self.k_max
@@ -131,6 +140,8 @@ class Adaptive:
         cheap = proposer.model is None
         self.prop_cost = StepCost([] if cheap else probe(proposer.model, capacity, 1))
         self.timed, self.reprobed = 0, False  # steps timed; whether a drifted fit was probed again
+        self.stale: list[str] = []  # fits found drifted, to probe again ("target", "proposer")
+        self.defer = False  # True (a server): probe them in `idle`, not in the step that found them
         self.prior = _prior(proposer.bins)  # [bins] acceptance of a bin's first draft before any data
         self.hits = torch.zeros(proposer.bins, k_max, dtype=torch.float64)  # decayed accepted counts
         self.seen = torch.zeros_like(self.hits)  # decayed tested counts
@@ -256,19 +267,34 @@ class Adaptive:
 
     def _check_drift(self) -> None:
         """Probe the costs again (once) when the steps timed say a fit read from the disk cache is
-        off by DRIFT or more (a fit measured in this process is left to the online factors).
+        off by DRIFT or more (a fit measured in this process is left to the online factors): now,
+        or at the next `idle` when `defer` (a probe takes seconds: no request should wait on it).
         Tensor-parallel ranks decide together (rank 0's clock)."""
         self.timed += 1
-        if self.reprobed or self.timed % DRIFT_STEPS:
+        if self.reprobed or self.stale or self.timed % DRIFT_STEPS:
             return  # looked at every DRIFT_STEPS steps, until a fit was probed again
         q_max = self._columns(self.k_max)
         if tp.agree(from_disk(self.target, self.capacity, q_max) and _drifted(self.step_cost)):
-            self.step_cost = StepCost(probe(self.target, self.capacity, q_max, fresh=True))
-            self.reprobed = True
+            self.stale.append("target")
         model = self.proposer.model
         if model is not None and from_disk(model, self.capacity, 1) and _drifted(self.prop_cost):
-            self.prop_cost = StepCost(probe(model, self.capacity, 1, fresh=True))  # a whole model per rank
+            self.stale.append("proposer")  # a whole model per rank: each rank's own decision
+        if self.stale and not self.defer:
+            self.idle()
+
+    def idle(self) -> None:
+        """Probe again the fits `_check_drift` found drifted."""
+        for role in self.stale:
+            started = time.perf_counter()
+            if role == "target":
+                load = self.step_cost.load
+                self.step_cost = StepCost(probe(self.target, self.capacity, self._columns(self.k_max), fresh=True))
+            else:
+                load = self.prop_cost.load
+                self.prop_cost = StepCost(probe(self.proposer.model, self.capacity, 1, fresh=True))
+            _say(f"cached {role} costs were off by {load:.2f}x: measured again ({time.perf_counter() - started:.1f}s)")
             self.reprobed = True
+        self.stale = []
 
     # --- the model ------------------------------------------------------------------------
     def _estimate(self) -> None:
@@ -318,6 +344,10 @@ class Adaptive:
             dtype=torch.float64,
         )
         return tokens / seconds.clamp(min=1e-9)
+
+
+def _say(message: str) -> None:
+    print(f"batchspec: {message}", file=sys.stderr, flush=True)
 
 
 def _drifted(cost: StepCost) -> bool:

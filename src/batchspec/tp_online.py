@@ -65,6 +65,10 @@ class LockstepEngine(OnlineEngine):
                 seq.cancelled = True
         return self.agreed_stop and not self.loop.busy
 
+    def _quiet(self) -> bool:
+        """Rank 0's inbox is empty (every rank decides alike: an idle loop is idle on every rank)."""
+        return tp.agree(self.inbox.empty() if tp.is_leader() else None)
+
     def _take_inbox(self, block: bool) -> None:
         leader = tp.is_leader()
         new = self._drain(block) if leader else []
