@@ -125,6 +125,7 @@ class Soak:
             ids, finish = self.complete(prompt, params, stream, drop=kind == "dropped")
         except openai.RateLimitError:
             self.count("shed" if self.bursting.is_set() else "shed_outside_burst")
+            time.sleep(0.2)  # a client told to retry later does not retry at once
             return
         except openai.APIStatusError as err:
             self.count("5xx" if err.status_code >= 500 else "errors", f"{kind}: {err.status_code} {err.message}")

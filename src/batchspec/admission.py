@@ -19,8 +19,7 @@ pays at most SHARE steps per iteration for a late arrival. While no row is runni
 nothing to stall, and every waiting prompt that fits is prefilled at once; so too while the idle
 rows outnumber the running ones. Chunking moves no prefill work, it only chooses who waits: m
 chunks buy the R running rows m more steps and delay the I idle rows' first steps by m steps, a
-net loss of (I - R) x m row-steps whenever I > R (measured: 16 clients arriving at once, online
-0.83x the offline engine's throughput chunked, 0.9x at once; docs/serving.md, "Admission").
+net loss of (I - R) x m row-steps whenever I > R.
 
 A policy that often drafts nothing (`-k auto`) leaves the proposer's cache empty here: the batch
 feeds it a row's tokens when a step first drafts for that row (`RaggedBatch.warm`).
