@@ -167,6 +167,22 @@ def test_a_body_that_is_not_json_is_415(server, kind):
         (False, {"prompt": [1], "presence_penalty": 0.5}, "presence_penalty", ["not supported"]),
         (False, {"prompt": [1], "logprobs": 2}, "logprobs", ["not supported"]),
         (True, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", ["not supported"]),
+        (True, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", []),
+        (True, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice", []),
+        (
+            True,
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            "response_format",
+            ["not supported"],
+        ),
+        (True, {"messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]}, "modalities", []),
+        (
+            True,
+            {"messages": [{"role": "user", "content": "x"}], "prompt": "y"},
+            "prompt",
+            ["'prompt' is not a field /v1/chat/completions serves"],
+        ),
+        (False, {"prompt": [1], "best_fo": 2}, "best_fo", ["'best_fo' is not a field /v1/completions serves"]),
         (False, {"prompt": [1], "n": 4}, "n", ["'n' must be 1"]),
         (False, {"prompt": [1], "max_tokens": 10**30}, "max_tokens", ["KV budget of 256 tokens"]),
         (False, {"prompt": [1, 100_000]}, "prompt", ["100000 is outside the vocabulary"]),
@@ -181,7 +197,10 @@ def test_request_bounds_are_400s_naming_the_field(server, chat, body, param, wor
     assert all(w in error["message"] for w in words), error["message"]
 
 
-@pytest.mark.parametrize("neutral", [{"logit_bias": {}}, {"presence_penalty": 0.0}, {"logprobs": None}])
+@pytest.mark.parametrize(
+    "neutral",
+    [{"logit_bias": {}}, {"presence_penalty": 0.0}, {"logprobs": None}, {"user": "u1"}, {"metadata": {"a": "b"}}],
+)
 def test_unserved_fields_at_their_neutral_value_are_accepted(server, neutral):
     assert _post(server, "/v1/completions", {"prompt": [1], "max_tokens": 1, **neutral}).status_code == 200
 

@@ -4,9 +4,10 @@ response bodies and stream chunks. No HTTP and no engine here (server.py joins t
 Validation names the offending field (`BadRequest.param`) and says what was expected, so a
 client gets OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`.
 Bounds: at most `MAX_STOP` stop strings of `MAX_STOP_CHARS` characters, `MAX_MESSAGES` messages
-per chat, one choice (`n` = 1). Fields that would change the output but are not served
-(`UNSERVED`: `logit_bias`, `logprobs`, penalties, ...) are refused when set, never ignored; other
-unknown fields (`user`, `metadata`, ...) are ignored.
+per chat, one choice (`n` = 1). No field is ignored: a request may carry the fields served
+(`SERVED`), bookkeeping that changes no output (`NO_EFFECT`: `user`, `metadata`, `store`,
+`service_tier`), and the fields of `UNSERVED` (`logit_bias`, `logprobs`, penalties, `tools`, ...)
+only at their neutral values; anything else gets a 400 naming the field.
 Extensions: `top_k` and `ignore_eos` in requests (as vLLM); `"batchspec": {"token_ids", "steps", "accepted_drafts",
 "proposed_drafts"}` in responses (per chunk: the chunk's `token_ids`).
 """
@@ -42,6 +43,14 @@ UNSERVED = {
     "functions": ([],),
     "response_format": ({"type": "text"},),
 }
+#: Fields served, by endpoint (chat: True).
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "stream", "n"}
+SERVED = {
+    True: _COMMON | {"messages", "max_completion_tokens", "stream_options"},
+    False: _COMMON | {"prompt", "stream_options"},
+}
+#: Bookkeeping fields that change nothing a server returns (accepted, not stored).
+NO_EFFECT = {"user", "metadata", "store", "service_tier"}
 
 
 class BadRequest(BatchspecError):
@@ -85,7 +94,7 @@ def parse_job(body, chat: bool) -> Job:
     """Validate a /v1/completions (chat=False) or /v1/chat/completions body."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    _refuse_unserved(body)
+    _refuse_unserved(body, chat)
     prompt = _parse_messages(body) if chat else _parse_prompt(body)
     n = _get(body, "n", (int,), 1, "an integer")
     if n != 1:
@@ -107,8 +116,12 @@ def parse_job(body, chat: bool) -> Job:
     return Job(chat, prompt, max_tokens, params, stream, include_usage, model)
 
 
-def _refuse_unserved(body: dict) -> None:
-    """A 400 naming the first field set to a value this server would not honour."""
+def _refuse_unserved(body: dict, chat: bool) -> None:
+    """A 400 naming the first field set to a value this server would not honour, or unknown."""
+    for name in body:
+        if name not in SERVED[chat] and name not in NO_EFFECT and name not in UNSERVED:
+            endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+            raise BadRequest(f"'{name}' is not a field {endpoint} serves; remove it from the request", name)
     for name, neutral in UNSERVED.items():
         value = body.get(name)
         if value is not None and not any(_same(value, v) for v in neutral):
