@@ -109,6 +109,9 @@ def test_unreachable_hub_is_explained(monkeypatch):
         (["generate", "--pair", "tiny", "--prompts", "/nonexistent.jsonl"], "prompt file not found"),
         (["generate", "--pair", "tiny", "--proposer", "eagle", "--branches", "4x0", "hi"], "branches .* integer >= 1"),
         (["bench", "--pair", "tiny", "--branches", "1,3xb", "hi"], "--branches: expected .* like 4x2x1, got '3xb'"),
+        (["generate", "--pair", "tiny", "--draft", "/d", "hi"], "either --pair or --target/--draft.*with --draft"),
+        (["generate", "--pair", "tiny", "--target", "/t", "hi"], "either --pair or --target/--draft.*with --target"),
+        (["generate", "--draft", "/d", "hi"], "--draft needs --target"),
     ],
 )
 def test_cli_errors_are_one_line(capsys, argv, message):

@@ -372,9 +372,8 @@ def engine_config(args, method: str, batch_size: int, progress: bool) -> EngineC
 
 
 def load_models(args):
-    pair = args.pair if args.target is None else None
     return load_pair(
-        pair=pair, target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, tp_size=args.tp
+        pair=args.pair, target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, tp_size=args.tp
     )
 
 
@@ -537,8 +536,7 @@ def start_ranks(args, argv: list[str]) -> int | None:
     others run the same loop silently."""
     if args.command == "serve":
         check_serve_options(args)
-    pair = args.pair if args.target is None else None
-    tp.check(target_config(pair, args.target), args.tp)
+    tp.check(target_config(args.pair, args.target), args.tp)
     status = tp.launch(args.tp, argv)
     if status is not None:
         return status
