@@ -151,6 +151,33 @@ def test_max_tokens_stop_and_seed(server):
     assert _ids(a) == _ids(b) != _ids(c)
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 3}])
+def test_a_list_of_prompts_gets_one_choice_each_equal_to_the_prompt_alone(server, sampling):
+    """`prompt=[p0, p1, p2]`: three rows of the batch, one choice each in prompt order, each the
+    tokens that prompt gets alone (greedy: the reference); streamed, the same per index."""
+    prompts = random_prompts(85, 3, 3, 25)
+    batched = _complete(server, prompts, max_tokens=12, **sampling)
+    assert [c.index for c in batched.choices] == [0, 1, 2]
+    ids = [c.model_extra["batchspec"]["token_ids"] for c in batched.choices]
+    alone = [_ids(_complete(server, p, max_tokens=12, **sampling)) for p in prompts]
+    assert ids == alone
+    if not sampling.get("seed"):
+        assert ids == [reference_tokens_64(p, 12) for p in prompts]
+    assert batched.usage.prompt_tokens == sum(map(len, prompts))
+    assert batched.usage.completion_tokens == sum(map(len, ids))
+    streamed, finished = [[] for _ in prompts], set()
+    for chunk in _complete(server, prompts, max_tokens=12, stream=True, **sampling):
+        for choice in chunk.choices:
+            streamed[choice.index] += (chunk.model_extra.get("batchspec") or {}).get("token_ids", [])
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert streamed == ids and finished == {0, 1, 2}
+    texts = _complete(server, ["Hello", "The sky is"], max_tokens=4, temperature=0)
+    assert [c.text for c in texts.choices] == [
+        _complete(server, t, max_tokens=4, temperature=0).choices[0].text for t in ("Hello", "The sky is")
+    ]
+
+
 _TINY64 = {}
 
 
@@ -232,6 +259,8 @@ def test_client_disconnect_frees_its_row(server):
         ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", ["max_tokens", ">= 1"]),
         ({"prompt": [1, 2], "n": 2}, "n", ["'n' must be 1"]),
         ({"prompt": 5}, "prompt", ["prompt"]),
+        ({"prompt": [[1, 2], []]}, "prompt[1]", ["'prompt[1]' must be"]),
+        ({"prompt": [[1]] * 65}, "prompt", ["at most 64 prompts"]),
         ({"prompt": [1, 2], "stop": [3]}, "stop", ["stop"]),
         ({"prompt": [1, 2], "stream": "yes"}, "stream", ["stream", "boolean"]),
         ({"prompt": [1, 2], "max_tokens": 20000}, "max_tokens", ["2 tokens", "20000", "KV budget of 16384 tokens"]),

@@ -26,6 +26,8 @@ from .errors import BatchspecError
 MAX_STOP, MAX_STOP_CHARS = 4, 256
 #: Messages per chat request.
 MAX_MESSAGES = 1024
+#: Prompts per completions request (each one a row of the batch).
+MAX_PROMPTS = 64
 #: top_k at or beyond the vocabulary is off; larger values are stored as this.
 TOP_K_CAP = 2**31 - 1
 #: Fields this server does not serve -> their values that change nothing (absent or null too).
@@ -67,10 +69,11 @@ def error_body(message: str, kind: str = "invalid_request_error", param=None, co
 
 @dataclass
 class Job:
-    """One validated request. `prompt` is text or token ids (completions) or messages (chat)."""
+    """One validated request. `prompts`: one prompt per choice, each text or token ids
+    (completions, up to MAX_PROMPTS) or messages (chat, one)."""
 
     chat: bool
-    prompt: object
+    prompts: list
     max_tokens: int | None  # None: the endpoint's default (see server.py)
     params: SamplingParams  # max_new_tokens filled in by the server once the prompt is encoded
     stream: bool
@@ -95,7 +98,7 @@ def parse_job(body, chat: bool) -> Job:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     _refuse_unserved(body, chat)
-    prompt = _parse_messages(body) if chat else _parse_prompt(body)
+    prompts = [_parse_messages(body)] if chat else _parse_prompts(body)
     n = _get(body, "n", (int,), 1, "an integer")
     if n != 1:
         raise BadRequest(f"'n' must be 1 (one choice per request is served), got {n}", "n")
@@ -113,7 +116,7 @@ def parse_job(body, chat: bool) -> Job:
     options = _get(body, "stream_options", (dict,), {}, "an object")
     include_usage = _get(options, "include_usage", (bool,), False, "a boolean")
     model = _get(body, "model", (str,), None, "a string")
-    return Job(chat, prompt, max_tokens, params, stream, include_usage, model)
+    return Job(chat, prompts, max_tokens, params, stream, include_usage, model)
 
 
 def _refuse_unserved(body: dict, chat: bool) -> None:
@@ -169,17 +172,33 @@ def _parse_sampling(body: dict) -> SamplingParams:
     )
 
 
-def _parse_prompt(body: dict):
+def _parse_prompts(body: dict) -> list:
+    """`prompt`: a string, a list of token ids, or a list of either (a batch: one choice each)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if _one_prompt(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise BadRequest(f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(prompt)}", "prompt")
+        for i, p in enumerate(prompt):
+            if not _one_prompt(p):
+                raise BadRequest(
+                    f"'prompt[{i}]' must be a non-empty string or a list of token ids, got {_brief(p)}", f"prompt[{i}]"
+                )
         return prompt
     raise BadRequest(
-        f"'prompt' must be a non-empty string or a list of token ids (one prompt), got {_brief(prompt)}", "prompt"
+        "'prompt' must be a non-empty string, a list of token ids, or a list of those (one choice each), "
+        f"got {_brief(prompt)}",
+        "prompt",
     )
+
+
+def _one_prompt(prompt) -> bool:
+    """A non-empty string or a non-empty list of token ids."""
+    if isinstance(prompt, str):
+        return bool(prompt)
+    ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    return ids and bool(prompt)
 
 
 def _parse_messages(body: dict) -> list[dict]:
@@ -218,25 +237,28 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def response(job: Job, rid: str, model: str, text: str, finish: str, use: dict, extension: dict) -> dict:
-    """The non-streamed body of a completion or chat completion."""
-    if job.chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+def response(job: Job, rid: str, model: str, outputs: list[tuple[str, str, dict]], use: dict) -> dict:
+    """The non-streamed body of a completion or chat completion; `outputs`: (text, finish reason,
+    extension) per choice, in prompt order. The top-level `batchspec` extension is choice 0's;
+    with several choices each one carries its own too."""
+    choices = []
+    for index, (text, finish, extension) in enumerate(outputs):
+        if job.chat:
+            choice = {"index": index, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": index, "text": text}
+        choice |= {"logprobs": None, "finish_reason": finish}
+        if len(outputs) > 1:
+            choice["batchspec"] = extension
+        choices.append(choice)
     return {
         "id": rid,
         "object": "chat.completion" if job.chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": use,
-        "batchspec": extension,
+        "batchspec": outputs[0][2],
     }
 
 
@@ -248,13 +270,15 @@ def chunk(
     finish: str | None,
     extension: dict | None = None,
     role: bool = False,
+    index: int = 0,
 ) -> dict:
-    """One stream chunk carrying `text` (chat: a delta; `role` adds the assistant role)."""
+    """One stream chunk carrying choice `index`'s `text` (chat: a delta; `role` adds the
+    assistant role)."""
     if job.chat:
         delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
     body = {
         "id": rid,
         "object": "chat.completion.chunk" if job.chat else "text_completion",

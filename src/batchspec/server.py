@@ -72,18 +72,20 @@ class Service:
     def refused(self, outcome: str) -> None:
         self.rejected[outcome] = self.rejected.get(outcome, 0) + 1
 
-    def encode(self, job: api.Job) -> list[int]:
-        """The prompt's token ids; a prompt the tokenizer or the chat template refuses is a 400."""
+    def encode(self, job: api.Job, prompt) -> list[int]:
+        """One of the job's prompts as token ids; a prompt the tokenizer or the chat template
+        refuses is a 400."""
         with self.lock:
             try:
                 if job.chat:
-                    return chat_ids(self.pair.tokenizer, job.prompt)
-                return self.pair.encode(job.prompt, chat_template=False)
+                    return chat_ids(self.pair.tokenizer, prompt)
+                return self.pair.encode(prompt, chat_template=False)
             except (BatchspecError, *TEMPLATE_ERRORS) as err:
                 raise api.BadRequest(str(err), "messages" if job.chat else "prompt") from None
 
-    def sequence(self, job: api.Job, ids: list[int]) -> Sequence:
-        """Check the prompt against the context and the KV budget; the request's Sequence."""
+    def sequence(self, job: api.Job, ids: list[int], index: int = 0) -> Sequence:
+        """Check the prompt against the context and the KV budget; the Sequence of the request's
+        choice `index`."""
         room = self.budget - self.k - 1  # the whole budget, less the draft slots of a last step
         n = len(ids)
         if n >= self.context:
@@ -103,7 +105,7 @@ class Service:
             )
         params = SamplingParams(**{**job.params.__dict__, "max_new_tokens": max_tokens})
         return Sequence(
-            index=0,
+            index=index,
             prompt_ids=ids,
             max_len=min(n + max_tokens, self.context),
             eos_ids=frozenset() if params.ignore_eos else self.pair.eos_ids,
@@ -216,21 +218,30 @@ async def serve(service: Service, request: Request, chat: bool):
                 404,
                 "model_not_found",
             )
-        seq = service.sequence(job, service.encode(job))
-        chunks: asyncio.Queue[Chunk] = asyncio.Queue()
-        handle = EngineRequest(seq, _emitter(asyncio.get_running_loop(), chunks))
-        try:
-            service.engine.submit(handle)
-        except QueueFull as err:
-            raise api.BadRequest(str(err), None, 429, "queue_full") from None
-        except ShuttingDown as err:
-            raise api.BadRequest(str(err), None, 503, "shutting_down") from None
+        seqs = [service.sequence(job, service.encode(job, p), i) for i, p in enumerate(job.prompts)]
+        chunks: asyncio.Queue[tuple[int, Chunk]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        handles = [EngineRequest(seq, _emitter(loop, chunks, i)) for i, seq in enumerate(seqs)]
+        _submit(service, handles)
     except api.BadRequest as err:
         return _refuse(service, err)
     rid = api.new_id(chat)
     if job.stream:
-        return StreamingResponse(_stream(service, job, handle, chunks, rid), media_type="text/event-stream")
-    return await _complete(service, job, handle, chunks, rid, request)
+        return StreamingResponse(_stream(service, job, handles, chunks, rid), media_type="text/event-stream")
+    return await _complete(service, job, handles, chunks, rid, request)
+
+
+def _submit(service: Service, handles: list[EngineRequest]) -> None:
+    """Queue every choice's row, or none: a full queue or a shutdown cancels those queued."""
+    for n, handle in enumerate(handles):
+        try:
+            service.engine.submit(handle)
+        except (QueueFull, ShuttingDown) as err:
+            for queued in handles[:n]:
+                service.engine.cancel(queued)
+            if isinstance(err, QueueFull):
+                raise api.BadRequest(str(err), None, 429, "queue_full") from None
+            raise api.BadRequest(str(err), None, 503, "shutting_down") from None
 
 
 def _short(err: Exception) -> str:
@@ -238,14 +249,28 @@ def _short(err: Exception) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _emitter(loop: asyncio.AbstractEventLoop, chunks: asyncio.Queue):
-    """A thread-safe, non-blocking sink for the engine thread."""
+def _emitter(loop: asyncio.AbstractEventLoop, chunks: asyncio.Queue, index: int):
+    """A thread-safe, non-blocking sink for the engine thread: (choice index, chunk)."""
 
     def emit(chunk: Chunk) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
-            loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+            loop.call_soon_threadsafe(chunks.put_nowait, (index, chunk))
 
     return emit
+
+
+def _failure(chunk: Chunk) -> tuple[str, int] | None:
+    """(message, status) when a row ended in an error or was aborted by a shutdown."""
+    if chunk.finish_reason not in ("error", "abort"):
+        return None
+    message = chunk.error or "the request was cancelled (the server is shutting down)"
+    return message, 500 if chunk.finish_reason == "error" else 503
+
+
+def _cancel_unfinished(service: Service, handles: list[EngineRequest]) -> None:
+    for handle in handles:
+        if not handle.seq.finished:  # the client went away (or the request failed): free the row
+            service.engine.cancel(handle)
 
 
 def _extension(seq: Sequence, token_ids: list[int]) -> dict:
@@ -258,57 +283,56 @@ def _extension(seq: Sequence, token_ids: list[int]) -> dict:
     }
 
 
-async def _complete(service: Service, job, handle: EngineRequest, chunks: asyncio.Queue, rid: str, request: Request):
-    """Collect the whole output; cancel the row if the client goes away (or this handler is
-    cancelled, as a router does when its client goes) meanwhile."""
-    text, tokens = [], []
+async def _complete(service: Service, job, handles, chunks: asyncio.Queue, rid: str, request: Request):
+    """Collect every choice's whole output; cancel the rows if the client goes away (or this
+    handler is cancelled, as a router does when its client goes) meanwhile."""
+    texts, tokens = [[] for _ in handles], [[] for _ in handles]
+    finish: list[str | None] = [None] * len(handles)
     try:
-        while True:
+        while None in finish:
             try:
-                chunk = await asyncio.wait_for(chunks.get(), timeout=0.5)
+                index, chunk = await asyncio.wait_for(chunks.get(), timeout=0.5)
             except TimeoutError:
                 if await request.is_disconnected():
                     return Response(status_code=499)
                 continue
-            text.append(chunk.text)
-            tokens += chunk.token_ids
-            if chunk.finish_reason is not None:
-                break
+            if (failed := _failure(chunk)) is not None:
+                return JSONResponse(api.error_body(failed[0], "server_error"), failed[1])
+            texts[index].append(chunk.text)
+            tokens[index] += chunk.token_ids
+            finish[index] = chunk.finish_reason
     finally:
-        if not handle.seq.finished:
-            service.engine.cancel(handle)
-    if chunk.finish_reason in ("error", "abort"):
-        message = chunk.error or "the request was cancelled (the server is shutting down)"
-        return JSONResponse(api.error_body(message, "server_error"), 500 if chunk.finish_reason == "error" else 503)
-    seq = handle.seq
-    use = api.usage(seq.prompt_len, len(tokens))
-    return api.response(job, rid, service.model_name, "".join(text), chunk.finish_reason, use, _extension(seq, tokens))
+        _cancel_unfinished(service, handles)
+    outputs = [("".join(t), f, _extension(h.seq, ids)) for t, f, h, ids in zip(texts, finish, handles, tokens)]
+    use = api.usage(sum(h.seq.prompt_len for h in handles), sum(map(len, tokens)))
+    return api.response(job, rid, service.model_name, outputs, use)
 
 
-async def _stream(service: Service, job, handle: EngineRequest, chunks: asyncio.Queue, rid: str):
-    """SSE: a chunk per engine chunk with text, a final one with finish_reason, usage, [DONE]."""
-    name, seq, count = service.model_name, handle.seq, 0
+async def _stream(service: Service, job, handles, chunks: asyncio.Queue, rid: str):
+    """SSE: chunks with text as the rows make them (choices interleaved, each chunk naming its
+    `index`), a final one per choice with its finish_reason, then the usage, then [DONE]."""
+    name, counts, left = service.model_name, [0] * len(handles), len(handles)
     try:
         if job.chat:
             yield _sse(api.chunk(job, rid, name, "", None, role=True))
-        while True:
-            chunk = await chunks.get()
-            count += len(chunk.token_ids)
-            if chunk.finish_reason in ("error", "abort"):
-                message = chunk.error or "the request was cancelled (the server is shutting down)"
-                yield _sse(api.error_body(message, "server_error"))
+        while left:
+            index, chunk = await chunks.get()
+            counts[index] += len(chunk.token_ids)
+            if (failed := _failure(chunk)) is not None:
+                yield _sse(api.error_body(failed[0], "server_error"))
                 break
             if chunk.text or chunk.token_ids:
-                yield _sse(api.chunk(job, rid, name, chunk.text, None, {"token_ids": chunk.token_ids}))
+                extension = {"token_ids": chunk.token_ids}
+                yield _sse(api.chunk(job, rid, name, chunk.text, None, extension, index=index))
             if chunk.finish_reason is not None:
-                yield _sse(api.chunk(job, rid, name, None if job.chat else "", chunk.finish_reason))
-                if job.include_usage:
-                    yield _sse(api.usage_chunk(job, rid, name, api.usage(seq.prompt_len, count), _extension(seq, [])))
-                break
+                yield _sse(api.chunk(job, rid, name, None if job.chat else "", chunk.finish_reason, index=index))
+                left -= 1
+        if not left and job.include_usage:
+            use = api.usage(sum(h.seq.prompt_len for h in handles), sum(counts))
+            yield _sse(api.usage_chunk(job, rid, name, use, _extension(handles[0].seq, [])))
         yield "data: [DONE]\n\n"
     finally:
-        if not seq.finished:  # the client went away (or the stream failed): free the row
-            service.engine.cancel(handle)
+        _cancel_unfinished(service, handles)
 
 
 def _sse(body: dict) -> str:
