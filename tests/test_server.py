@@ -178,6 +178,28 @@ def test_a_list_of_prompts_gets_one_choice_each_equal_to_the_prompt_alone(server
     ]
 
 
+def test_n_choices_use_derived_seeds_and_are_reproducible(server):
+    """`n=3, seed=s`: choice j is what the prompt gets alone with seed s + j; the same request
+    again gives the same choices; greedy choices are all the reference's tokens."""
+    prompt = random_prompts(86, 1, 4, 20)[0]
+    first = _complete(server, prompt, max_tokens=10, temperature=0.9, seed=40, n=3)
+    again = _complete(server, prompt, max_tokens=10, temperature=0.9, seed=40, n=3)
+    ids = [c.model_extra["batchspec"]["token_ids"] for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert ids == [c.model_extra["batchspec"]["token_ids"] for c in again.choices]
+    assert ids == [_ids(_complete(server, prompt, max_tokens=10, temperature=0.9, seed=40 + j)) for j in range(3)]
+    greedy = _complete(server, [prompt, prompt[:3]], max_tokens=6, temperature=0, n=2)
+    assert [c.model_extra["batchspec"]["token_ids"] for c in greedy.choices] == (
+        [reference_tokens_64(prompt, 6)] * 2 + [reference_tokens_64(prompt[:3], 6)] * 2
+    )
+    chat = server.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0.7, seed=1, n=2
+    )
+    assert len(chat.choices) == 2 and chat.usage.completion_tokens == sum(
+        len(c.model_extra["batchspec"]["token_ids"]) for c in chat.choices
+    )
+
+
 _TINY64 = {}
 
 
@@ -257,7 +279,7 @@ def test_client_disconnect_frees_its_row(server):
     [
         ({"prompt": [1, 2], "temperature": "hot"}, "temperature", ["temperature", "hot"]),
         ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", ["max_tokens", ">= 1"]),
-        ({"prompt": [1, 2], "n": 2}, "n", ["'n' must be 1"]),
+        ({"prompt": [1, 2], "n": 0}, "n", ["'n' must be in [1, 16]"]),
         ({"prompt": 5}, "prompt", ["prompt"]),
         ({"prompt": [[1, 2], []]}, "prompt[1]", ["'prompt[1]' must be"]),
         ({"prompt": [[1]] * 65}, "prompt", ["at most 64 prompts"]),

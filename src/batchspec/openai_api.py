@@ -4,7 +4,7 @@ response bodies and stream chunks. No HTTP and no engine here (server.py joins t
 Validation names the offending field (`BadRequest.param`) and says what was expected, so a
 client gets OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`.
 Bounds: at most `MAX_STOP` stop strings of `MAX_STOP_CHARS` characters, `MAX_MESSAGES` messages
-per chat, one choice (`n` = 1). No field is ignored: a request may carry the fields served
+per chat, `MAX_PROMPTS` choices (prompts x `n`). No field is ignored: a request may carry the fields served
 (`SERVED`), bookkeeping that changes no output (`NO_EFFECT`: `user`, `metadata`, `store`,
 `service_tier`), and the fields of `UNSERVED` (`logit_bias`, `logprobs`, penalties, `tools`, ...)
 only at their neutral values; anything else gets a 400 naming the field.
@@ -26,8 +26,8 @@ from .errors import BatchspecError
 MAX_STOP, MAX_STOP_CHARS = 4, 256
 #: Messages per chat request.
 MAX_MESSAGES = 1024
-#: Prompts per completions request (each one a row of the batch).
-MAX_PROMPTS = 64
+#: Choices per request (prompts x n; each one a row of the batch), and n per prompt.
+MAX_PROMPTS, MAX_N = 64, 16
 #: top_k at or beyond the vocabulary is off; larger values are stored as this.
 TOP_K_CAP = 2**31 - 1
 #: Fields this server does not serve -> their values that change nothing (absent or null too).
@@ -79,6 +79,7 @@ class Job:
     stream: bool
     include_usage: bool
     model: str | None
+    n: int = 1  # choices per prompt: choice j of prompt i has index i * n + j and seed `seed + j`
 
 
 def _get(body: dict, name: str, kinds: tuple, default=None, what: str = ""):
@@ -100,8 +101,10 @@ def parse_job(body, chat: bool) -> Job:
     _refuse_unserved(body, chat)
     prompts = [_parse_messages(body)] if chat else _parse_prompts(body)
     n = _get(body, "n", (int,), 1, "an integer")
-    if n != 1:
-        raise BadRequest(f"'n' must be 1 (one choice per request is served), got {n}", "n")
+    if not 1 <= n <= MAX_N:
+        raise BadRequest(f"'n' must be in [1, {MAX_N}], got {n}", "n")
+    if n * len(prompts) > MAX_PROMPTS:
+        raise BadRequest(f"{len(prompts)} prompts x n = {n} would make more than {MAX_PROMPTS} choices", "n")
     max_tokens = _get(
         body,
         "max_completion_tokens" if chat and "max_tokens" not in body else "max_tokens",
@@ -116,7 +119,7 @@ def parse_job(body, chat: bool) -> Job:
     options = _get(body, "stream_options", (dict,), {}, "an object")
     include_usage = _get(options, "include_usage", (bool,), False, "a boolean")
     model = _get(body, "model", (str,), None, "a string")
-    return Job(chat, prompts, max_tokens, params, stream, include_usage, model)
+    return Job(chat, prompts, max_tokens, params, stream, include_usage, model, n)
 
 
 def _refuse_unserved(body: dict, chat: bool) -> None:
