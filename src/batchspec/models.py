@@ -125,11 +125,7 @@ def _load_pair(pair, target, draft, dtype, device, tp_size) -> ModelPair:
             "bfloat16 on this CPU is emulated (no AVX-512 bf16 or AMX): float32 runs faster here",
             stacklevel=2,
         )
-    if pair is not None and (target is not None or draft is not None):
-        given = "--target" if target is not None else "--draft"
-        raise BatchspecError(f"give either --pair or --target/--draft, not both (--pair {pair} with {given})")
-    if draft is not None and target is None:
-        raise BatchspecError("--draft needs --target (the model it drafts for)")
+    _check_sources(pair, target, draft)
     if pair is None and target is None:
         pair = "default"
     if pair is not None and pair not in PAIRS:
@@ -216,12 +212,20 @@ def smollm2_path() -> str:
     return path
 
 
+def _check_sources(pair: str | None, target: str | None, draft: str | None = None) -> None:
+    """A built-in pair, or a target (and maybe its draft): never both, never a draft alone."""
+    if pair is not None and (target is not None or draft is not None):
+        given = "--target" if target is not None else "--draft"
+        raise BatchspecError(f"give either --pair or --target/--draft, not both (--pair {pair} with {given})")
+    if draft is not None and target is None:
+        raise BatchspecError("--draft needs --target (the model it drafts for)")
+
+
 def target_config(pair: str | None, target: str | None):
     """The target's config without loading its weights (to check options before a launch)."""
     from transformers import AutoConfig
 
-    if pair is not None and target is not None:
-        raise BatchspecError(f"give either --pair or --target/--draft, not both (--pair {pair} with --target)")
+    _check_sources(pair, target)
     if pair == "tiny":
         return tiny_config()
     spec = smollm2_path() if pair == "default" or target is None else target

@@ -46,11 +46,9 @@ UNSERVED = {
     "response_format": ({"type": "text"},),
 }
 #: Fields served, by endpoint (chat: True).
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "stream", "n"}
-SERVED = {
-    True: _COMMON | {"messages", "max_completion_tokens", "stream_options"},
-    False: _COMMON | {"prompt", "stream_options"},
-}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n"}
+_COMMON |= {"stream", "stream_options"}
+SERVED = {True: _COMMON | {"messages", "max_completion_tokens"}, False: _COMMON | {"prompt"}}
 #: Bookkeeping fields that change nothing a server returns (accepted, not stored).
 NO_EFFECT = {"user", "metadata", "store", "service_tier"}
 

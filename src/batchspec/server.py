@@ -83,9 +83,9 @@ class Service:
             except (BatchspecError, *TEMPLATE_ERRORS) as err:
                 raise api.BadRequest(str(err), "messages" if job.chat else "prompt") from None
 
-    def sequence(self, job: api.Job, ids: list[int], index: int = 0, sample: int = 0) -> Sequence:
+    def sequence(self, job: api.Job, ids: list[int], index: int = 0) -> Sequence:
         """Check the prompt against the context and the KV budget; the Sequence of the request's
-        choice `index`, its prompt's `sample`-th (of n: a given seed s becomes s + sample)."""
+        choice `index` (its prompt's sample index % n: a given seed s becomes s + index % n)."""
         room = self.budget - self.k - 1  # the whole budget, less the draft slots of a last step
         n = len(ids)
         if n >= self.context:
@@ -103,7 +103,7 @@ class Service:
                 "max_tokens",
                 code="context_length_exceeded",
             )
-        seed = job.params.seed + sample if job.params.seed is not None else None
+        seed = job.params.seed + index % job.n if job.params.seed is not None else None
         params = SamplingParams(**{**job.params.__dict__, "max_new_tokens": max_tokens, "seed": seed})
         return Sequence(
             index=index,
@@ -220,7 +220,7 @@ async def serve(service: Service, request: Request, chat: bool):
                 "model_not_found",
             )
         encoded = [service.encode(job, p) for p in job.prompts]
-        seqs = [service.sequence(job, ids, i * job.n + j, j) for i, ids in enumerate(encoded) for j in range(job.n)]
+        seqs = [service.sequence(job, ids, i * job.n + j) for i, ids in enumerate(encoded) for j in range(job.n)]
         chunks: asyncio.Queue[tuple[int, Chunk]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         handles = [EngineRequest(seq, _emitter(loop, chunks, i)) for i, seq in enumerate(seqs)]
