@@ -137,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
         add(gen)
     _decode_options(gen, one_method=True)
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    gen.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="N",
+        help="keep each token's log-probability under the target and its N likeliest alternatives "
+        "(0..20): the mean is printed, every entry goes to --json",
+    )
     correct = ",".join(m for m in methods.names(include_broken=False) if methods.get(m).speculative)
     verify = _comparison(
         sub, "verify", "compare methods with the target alone and explain every divergence", correct, cmd_verify
@@ -349,6 +356,7 @@ def sampling_params(args) -> SamplingParams:
         top_k=args.top_k,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
+        logprobs=getattr(args, "logprobs", None),
     )
 
 
@@ -385,7 +393,10 @@ def cmd_generate(args) -> int:
     dec = SpecDecoder(pair, config)
     outs = dec.generate([p.text for p in prompts], params, chat_template=not args.no_chat_template)
     for out in outs:
-        print(f"--- [{out.index}] {out.prompt[:70]!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
+        mean = (
+            "" if not out.logprobs else f", mean logprob {sum(e.logprob for e in out.logprobs) / len(out.logprobs):.3f}"
+        )
+        print(f"--- [{out.index}] {out.prompt[:70]!r} ({len(out.token_ids)} tokens, {out.finish_reason}{mean})")
         print(out.text)
     print(f"[{args.method}, batch {args.batch_size}, k {args.k}, {dec.proposer_name}] {dec.stats.line()}")
     if args.json:

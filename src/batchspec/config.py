@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from . import methods, tree
 from .errors import BatchspecError
+from .logprobs import MAX_LOGPROBS
 from .speculation import AUTO_K_MAX
 
 PROPOSERS = ("draft", "ngram", "eagle", "ngram+eagle", "ngram+draft")
@@ -34,7 +35,8 @@ class SamplingParams:
     """How to pick tokens. `temperature == 0` is greedy (argmax); then top_p/top_k/seed are unused.
 
     `seed` fixes a request's random stream: the same seed gives the same tokens whatever the batch
-    size, the batch's other rows or the (speculative) method.
+    size, the batch's other rows or the (speculative) method. `logprobs = n` (0..20): each emitted
+    token comes with its log-probability under the target and the n likeliest tokens' (logprobs.py).
     """
 
     temperature: float = 0.0
@@ -44,6 +46,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()  # stop strings: the text ends right before the first one generated
+    logprobs: int | None = None  # per emitted token, its log-probability and this many alternatives
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
@@ -62,6 +65,11 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
             raise BatchspecError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise BatchspecError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (alternatives per token), "
+                f"got {self.logprobs!r}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -205,6 +205,7 @@ class SpecDecoder:
             text=self.pair.decode(seq.generated) if text is None else text,
             finish_reason=seq.finish_reason,
             accepted_per_step=list(seq.accepted_per_step),
+            logprobs=None if seq.logprobs is None else seq.logprobs[: len(seq.generated)],
         )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kv
+from . import kv, logprobs
 from .sampling import choose, greedy, probabilities, row_noise
 from .sequence import Sequence
 from .step import Context
@@ -30,7 +30,7 @@ def generate_one(target, seq: Sequence, observe=None) -> None:
         else:
             noise = row_noise([seq], 1, logits.shape[-1], logits.device)[:, 0]
             token = int(choose(probabilities(logits, params), noise))
-        seq.commit([token])
+        logprobs.record([seq], logits[:, None], [[0] * seq.commit([token])])
         if observe is not None:
             observe([seq])
         if seq.finished:

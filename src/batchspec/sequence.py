@@ -37,9 +37,11 @@ class Sequence:
     cancelled: bool = False  # set by any thread; the engine retires the row before its next step
     output_len: int | None = None  # set when a stop string cuts the output short of token_ids
     noise: dict = field(default_factory=dict)  # sampling: Gumbel noise of uncommitted positions
+    logprobs: list | None = field(init=False)  # one TokenLogprob per generated token, if params ask
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
+        self.logprobs = [] if self.params.logprobs is not None else None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -102,8 +104,10 @@ class GenerationOutput:
     text: str
     finish_reason: str
     accepted_per_step: list[int]
+    logprobs: list | None = None  # one logprobs.TokenLogprob per token of token_ids, when asked
 
     def to_json(self) -> dict:
+        logprobs = None if self.logprobs is None else [entry.to_json() for entry in self.logprobs]
         return {
             "index": self.index,
             "prompt": self.prompt,
@@ -113,4 +117,4 @@ class GenerationOutput:
             "num_prompt_tokens": len(self.prompt_token_ids),
             "num_generated_tokens": len(self.token_ids),
             "accepted_per_step": self.accepted_per_step,
-        }
+        } | ({} if logprobs is None else {"logprobs": logprobs})

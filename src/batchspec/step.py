@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from . import acceptance, kv, tp, tree
+from . import acceptance, kv, logprobs, tp, tree
 from .batch import PaddedBatch
 from .proposer import Proposal, Proposer
 from .sampling import RowParams, choose, greedy, probabilities, row_noise
@@ -134,13 +134,14 @@ def prefill(ctx: Context, batch: Layout, roles: list[str] | None = None) -> list
     """Feed `roles` (default: every role) the rows' uncached tokens; the target's last logits give
     each row its first token. Returns the rows that finished (EOS first, or max_new_tokens == 1)."""
     with ctx.stats.stage("prefill"):
-        first = None
+        target_logits = None
         for role in ctx.models() if roles is None else roles:
-            logits = feed(ctx, batch, role, batch.pending(role))[:, -1]
+            logits = feed(ctx, batch, role, batch.pending(role))  # [B, 1, V]
             if role == "target":
-                first = _pick(logits, batch.seqs)
-        for seq, token in zip(batch.seqs, first.tolist()):
-            seq.commit([token])
+                target_logits = logits
+        first = _pick(target_logits[:, -1], batch.seqs)
+        kept = [seq.commit([token]) for seq, token in zip(batch.seqs, first.tolist())]
+        logprobs.record(batch.seqs, target_logits, [[0] * n for n in kept])
         ctx.stats.tokens += len(batch.seqs)
         if ctx.observe is not None:
             ctx.observe(batch.seqs)
@@ -202,6 +203,7 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
             settle(batch, fed, path, features)
         rows, accepted = outcome.rows(), outcome.num_accepted.tolist()
         kept = [seq.commit(row, a) for seq, row, a in zip(seqs, rows, accepted)]
+        logprobs.record(seqs, logits, _columns(kept, accepted, None if shape is None else path))
         stats.record_step(kept, [seq.accepted_per_step[-1] for seq in seqs])
         offered = [width] * len(seqs) if limit is None else limit.tolist()
         for seq, n in zip(seqs, offered):
@@ -227,6 +229,15 @@ def _chosen(policy, batch: Layout, proposal: Proposal | None, started: float, de
     if limit is not None:  # columns past a row's drafts are padding it never accepts
         limit = limit.clamp(max=width)
     return proposal.drafts[:, :width], limit
+
+
+def _columns(kept: list[int], accepted: list[int], path: torch.Tensor | None) -> list[list[int]]:
+    """Per row, the verified logits' column each kept token was picked at: a chain's 0..kept-1; a
+    tree's root (0), then 1 + each accepted node of its path (path [B, k], node index by depth)."""
+    if path is None:
+        return [list(range(n)) for n in kept]
+    nodes = path.tolist()
+    return [([0] + [1 + node for node in nodes[b][:a]])[:n] for b, (n, a) in enumerate(zip(kept, accepted))]
 
 
 def _tree(proposal: Proposal | None, batch: Layout, width: int):
