@@ -165,8 +165,21 @@ def test_a_body_that_is_not_json_is_415(server, kind):
         (False, {"prompt": [1], "stop": "x" * (MAX_STOP_CHARS + 1)}, "stop", [f"at most {MAX_STOP_CHARS} characters"]),
         (False, {"prompt": [1], "logit_bias": {"5": 10}}, "logit_bias", ["'logit_bias' is not supported"]),
         (False, {"prompt": [1], "presence_penalty": 0.5}, "presence_penalty", ["not supported"]),
-        (False, {"prompt": [1], "logprobs": 2}, "logprobs", ["not supported"]),
-        (True, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", ["not supported"]),
+        (False, {"prompt": [1], "logprobs": 21}, "logprobs", ["'logprobs' must be in [0, 20], got 21"]),
+        (False, {"prompt": [1], "echo": True}, "echo", ["'echo' is not supported"]),
+        (True, {"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs", ["a boolean"]),
+        (
+            True,
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs",
+            ["'top_logprobs' needs 'logprobs': true"],
+        ),
+        (
+            True,
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+            ["in [0, 20]"],
+        ),
         (True, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", []),
         (True, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice", []),
         (
@@ -325,6 +338,7 @@ WRONG_FIELDS = {
     "logit_bias": st.one_of(st.dictionaries(st.text(max_size=4), st.integers(-100, 100), max_size=3), ANY),
     "presence_penalty": ANY,
     "logprobs": ANY,
+    "top_logprobs": st.one_of(st.integers(-2, 25), ANY),
 }
 GOOD_FIELDS = {
     "model": st.just("tiny"),

@@ -200,6 +200,69 @@ def test_n_choices_use_derived_seeds_and_are_reproducible(server):
     )
 
 
+def _reference_logprobs(prompt, max_new, top):
+    from batchspec import SamplingParams, SpecDecoder
+
+    reference_tokens_64(prompt, 1)  # loads the pair
+    dec = SpecDecoder(_TINY64["pair"], method="reference")
+    return dec.generate([prompt], SamplingParams(max_new_tokens=max_new, logprobs=top))[0].logprobs
+
+
+def test_completion_logprobs_are_the_targets_own(server):
+    """`logprobs=3`: each emitted token's log-probability equals the one-sequence reference's (the
+    target's distribution there, not a draft's), the chosen token leads its top 3 under greedy,
+    and the stream's logprobs are the same, chunk by chunk, as the whole response's."""
+    prompts = random_prompts(87, 2, 4, 20)
+    full = _complete(server, prompts, max_tokens=12, temperature=0, logprobs=3)
+    for prompt, choice in zip(prompts, full.choices):
+        lp, ids = choice.logprobs, choice.model_extra["batchspec"]["token_ids"]
+        ref = _reference_logprobs(prompt, 12, 3)
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) == len(ref)
+        assert all(abs(a - b.logprob) < 1e-9 for a, b in zip(lp.token_logprobs, ref))
+        assert all(len(top) <= 3 and max(top.values()) == p for top, p in zip(lp.top_logprobs, lp.token_logprobs))
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    streamed = [[] for _ in prompts]
+    for chunk in _complete(server, prompts, max_tokens=12, temperature=0, logprobs=3, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed[choice.index] += choice.logprobs.token_logprobs
+    assert streamed == [c.logprobs.token_logprobs for c in full.choices]
+    plain = _complete(server, prompts[0], max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_with_top_logprobs(server):
+    """Chat `logprobs=True, top_logprobs=2`: one entry per completion token, with its bytes and 2
+    alternatives; sampled rows get the distribution after their temperature (the chosen token
+    need not lead then, but its logprob is among the row's)."""
+    messages = [{"role": "user", "content": "Hello there"}]
+    for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 4}):
+        out = server.client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=10, logprobs=True, top_logprobs=2, **sampling
+        )
+        content = out.choices[0].logprobs.content
+        assert len(content) == out.usage.completion_tokens
+        for entry in content:
+            assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
+            assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+            assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+            if not sampling.get("seed"):
+                assert (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob) == (entry.token, entry.logprob)
+    stream = server.client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, logprobs=True, stream=True
+    )
+    entries = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in entries] == [e.logprob for e in content_greedy(server, messages)]
+    assert all(e.top_logprobs == [] for e in entries)
+
+
+def content_greedy(server, messages):
+    out = server.client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, logprobs=True
+    )
+    return out.choices[0].logprobs.content
+
+
 _TINY64 = {}
 
 

@@ -16,6 +16,8 @@ beginning that the final text drops: streamed == final text.
 
 from __future__ import annotations
 
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte <-> character table
+
 REPLACEMENT = "\ufffd"
 
 
@@ -119,3 +121,36 @@ class StopStrings:
         """The cut text of a watched sequence, else None (decode the tokens)."""
         out = self.outputs.get(id(seq))
         return None if out is None else out.text
+
+
+class TokenBytes:
+    """token id -> the UTF-8 bytes it stands for (memoised), as OpenAI's logprobs report them:
+    exact for byte-level BPE (a token holding part of a character has that part's bytes), else the
+    bytes of the token decoded alone. `text(id)`: those bytes as text (a partial character: U+FFFD)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.memo: dict[int, bytes] = {}
+        self.byte_of = _byte_level_map(tokenizer)
+
+    def __call__(self, token: int) -> bytes:
+        if (found := self.memo.get(token)) is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token) if self.byte_of else None
+            if piece is not None and all(c in self.byte_of for c in piece):
+                found = bytes(self.byte_of[c] for c in piece)
+            else:
+                found = self.tokenizer.decode([token]).encode()
+            self.memo[token] = found
+        return found
+
+    def text(self, token: int) -> str:
+        return self(token).decode("utf-8", errors="replace")
+
+
+def _byte_level_map(tokenizer) -> dict[str, int] | None:
+    """The byte-level BPE alphabet (character -> byte) when `tokenizer` decodes that way, else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None) if backend is not None else None
+    if decoder is None or type(decoder).__name__ != "ByteLevel":
+        return None
+    return {c: b for b, c in bytes_to_unicode().items()}

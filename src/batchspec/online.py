@@ -47,6 +47,7 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    logprobs: list | None = None  # one logprobs.TokenLogprob per token of token_ids, when asked
 
 
 @dataclass(eq=False)
@@ -208,7 +209,8 @@ class OnlineEngine:
             out.finish()
         tokens = seq.token_ids[seq.prompt_len + before : seq.prompt_len + out.num_tokens]
         self.counters.generated_tokens += len(tokens)
-        return Chunk(out.take(final=seq.finished), tokens, seq.finish_reason if seq.finished else None)
+        logprobs = None if seq.logprobs is None else seq.logprobs[before : out.num_tokens]
+        return Chunk(out.take(final=seq.finished), tokens, seq.finish_reason if seq.finished else None, None, logprobs)
 
     def _retire(self, seq: Sequence) -> None:
         request = self.requests.pop(id(seq), None)

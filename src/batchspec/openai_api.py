@@ -6,7 +6,7 @@ client gets OpenAI's error shape `{"error": {"message", "type", "param", "code"}
 Bounds: at most `MAX_STOP` stop strings of `MAX_STOP_CHARS` characters, `MAX_MESSAGES` messages
 per chat, `MAX_PROMPTS` choices (prompts x `n`). No field is ignored: a request may carry the fields served
 (`SERVED`), bookkeeping that changes no output (`NO_EFFECT`: `user`, `metadata`, `store`,
-`service_tier`), and the fields of `UNSERVED` (`logit_bias`, `logprobs`, penalties, `tools`, ...)
+`service_tier`), and the fields of `UNSERVED` (`logit_bias`, `echo`, penalties, `tools`, ...)
 only at their neutral values; anything else gets a 400 naming the field.
 Extensions: `top_k` and `ignore_eos` in requests (as vLLM); `"batchspec": {"token_ids", "steps", "accepted_drafts",
 "proposed_drafts"}` in responses (per chunk: the chunk's `token_ids`).
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from .config import SamplingParams
 from .errors import BatchspecError
+from .logprobs import MAX_LOGPROBS
 
 #: Stop strings per request (OpenAI's limit) and characters per stop string (streaming holds back
 #: that many characters at the end of the text, in case a stop string begins there).
@@ -33,8 +34,6 @@ TOP_K_CAP = 2**31 - 1
 #: Fields this server does not serve -> their values that change nothing (absent or null too).
 UNSERVED = {
     "logit_bias": ({},),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
@@ -47,8 +46,8 @@ UNSERVED = {
 }
 #: Fields served, by endpoint (chat: True).
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n"}
-_COMMON |= {"stream", "stream_options"}
-SERVED = {True: _COMMON | {"messages", "max_completion_tokens"}, False: _COMMON | {"prompt"}}
+_COMMON |= {"stream", "stream_options", "logprobs"}
+SERVED = {True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}, False: _COMMON | {"prompt"}}
 #: Bookkeeping fields that change nothing a server returns (accepted, not stored).
 NO_EFFECT = {"user", "metadata", "store", "service_tier"}
 
@@ -78,6 +77,10 @@ class Job:
     include_usage: bool
     model: str | None
     n: int = 1  # choices per prompt: choice j of prompt i has index i * n + j and seed `seed + j`
+
+    @property
+    def logprobs(self) -> bool:
+        return self.params.logprobs is not None
 
 
 def _get(body: dict, name: str, kinds: tuple, default=None, what: str = ""):
@@ -112,7 +115,7 @@ def parse_job(body, chat: bool) -> Job:
     )
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest(f"'max_tokens' must be an integer >= 1, got {max_tokens}", "max_tokens")
-    params = _parse_sampling(body)
+    params = _parse_sampling(body, chat)
     stream = _get(body, "stream", (bool,), False, "a boolean")
     options = _get(body, "stream_options", (dict,), {}, "an object")
     include_usage = _get(options, "include_usage", (bool,), False, "a boolean")
@@ -143,7 +146,24 @@ def _brief(value) -> str:
     return text if len(text) <= 100 else text[:100] + "..."
 
 
-def _parse_sampling(body: dict) -> SamplingParams:
+def _parse_logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per token, or None (no logprobs): chat's `logprobs` (a boolean) and
+    `top_logprobs`; completions' `logprobs` (an integer)."""
+    if not chat:
+        top = _get(body, "logprobs", (int,), None, f"an integer in [0, {MAX_LOGPROBS}]")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise BadRequest(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", "logprobs")
+        return top
+    wanted = _get(body, "logprobs", (bool,), False, "a boolean")
+    top = _get(body, "top_logprobs", (int,), None, f"an integer in [0, {MAX_LOGPROBS}]")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise BadRequest(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+    if top and not wanted:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _parse_sampling(body: dict, chat: bool) -> SamplingParams:
     temperature = _get(body, "temperature", (int, float), 1.0, "a number in [0, 2]")
     if not 0 <= temperature <= 2:
         raise BadRequest(f"'temperature' must be in [0, 2], got {temperature}", "temperature")
@@ -170,6 +190,7 @@ def _parse_sampling(body: dict) -> SamplingParams:
         seed=seed,
         stop=tuple(stop),
         ignore_eos=ignore_eos,
+        logprobs=_parse_logprobs(body, chat),
     )
 
 
@@ -238,17 +259,54 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def response(job: Job, rid: str, model: str, outputs: list[tuple[str, str, dict]], use: dict) -> dict:
+def logprobs_body(chat: bool, entries: list, token_bytes, offset: int = 0) -> dict:
+    """OpenAI's `logprobs` of a choice (or of a chunk's tokens) from logprobs.TokenLogprob entries;
+    `token_bytes(id)` is the token's bytes. Chat: `content`, one object per token with its
+    `top_logprobs`; completions: `tokens`, `token_logprobs`, `top_logprobs` (token text ->
+    logprob, the likelier where two read the same) and `text_offset` (characters before each
+    token, from `offset`)."""
+
+    def text(token: int) -> str:
+        return token_bytes(token).decode("utf-8", errors="replace")
+
+    def item(token: int, logprob: float) -> dict:
+        return {"token": text(token), "logprob": logprob, "bytes": list(token_bytes(token))}
+
+    if chat:
+        content = [item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+        return {"content": content, "refusal": None}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(text(e.token))
+    return {
+        "tokens": [text(e.token) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [_first_by_text(e.top, text) for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _first_by_text(top: tuple, text) -> dict:
+    """{token text: logprob} of (id, logprob) pairs, most likely first; where two tokens read the
+    same (e.g. both part of a character), the likelier one's."""
+    out: dict[str, float] = {}
+    for token, logprob in top:
+        out.setdefault(text(token), logprob)
+    return out
+
+
+def response(job: Job, rid: str, model: str, outputs: list[tuple], use: dict) -> dict:
     """The non-streamed body of a completion or chat completion; `outputs`: (text, finish reason,
-    extension) per choice, in prompt order. The top-level `batchspec` extension is choice 0's;
+    extension, logprobs body or None) per choice, in prompt order. The top-level `batchspec` extension is choice 0's;
     with several choices each one carries its own too."""
     choices = []
-    for index, (text, finish, extension) in enumerate(outputs):
+    for index, (text, finish, extension, logprobs) in enumerate(outputs):
         if job.chat:
             choice = {"index": index, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": index, "text": text}
-        choice |= {"logprobs": None, "finish_reason": finish}
+        choice |= {"logprobs": logprobs, "finish_reason": finish}
         if len(outputs) > 1:
             choice["batchspec"] = extension
         choices.append(choice)
@@ -272,14 +330,15 @@ def chunk(
     extension: dict | None = None,
     role: bool = False,
     index: int = 0,
+    logprobs: dict | None = None,
 ) -> dict:
     """One stream chunk carrying choice `index`'s `text` (chat: a delta; `role` adds the
-    assistant role)."""
+    assistant role) and the `logprobs` body of its tokens."""
     if job.chat:
         delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     body = {
         "id": rid,
         "object": "chat.completion.chunk" if job.chat else "text_completion",

@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from . import access, tree
 from . import openai_api as api
 from .config import EngineConfig, SamplingParams
+from .detok import TokenBytes
 from .errors import BatchspecError
 from .metrics import EngineCollector
 from .online import Chunk, OnlineEngine, QueueFull, ShuttingDown
@@ -68,6 +69,14 @@ class Service:
         self.rejected: dict[str, int] = {}  # outcome -> requests refused before the engine
         self.policy = access.Policy()  # keys and body bounds (build_service sets the options')
         self.startup: dict = {}  # load and tuning seconds (SpecDecoder.startup)
+        self.token_bytes = TokenBytes(pair.tokenizer)  # for logprobs (memoised; under `lock`)
+
+    def logprobs(self, job: api.Job, entries: list | None, offset: int = 0) -> dict | None:
+        """The OpenAI `logprobs` body of entries (None when the job did not ask)."""
+        if not job.logprobs or entries is None:
+            return None
+        with self.lock:
+            return api.logprobs_body(job.chat, entries, self.token_bytes, offset)
 
     def refused(self, outcome: str) -> None:
         self.rejected[outcome] = self.rejected.get(outcome, 0) + 1
@@ -288,7 +297,7 @@ def _extension(seq: Sequence, token_ids: list[int]) -> dict:
 async def _complete(service: Service, job, handles, chunks: asyncio.Queue, rid: str, request: Request):
     """Collect every choice's whole output; cancel the rows if the client goes away (or this
     handler is cancelled, as a router does when its client goes) meanwhile."""
-    texts, tokens = [[] for _ in handles], [[] for _ in handles]
+    texts, tokens, logprobs = [[] for _ in handles], [[] for _ in handles], [[] for _ in handles]
     finish: list[str | None] = [None] * len(handles)
     try:
         while None in finish:
@@ -302,10 +311,14 @@ async def _complete(service: Service, job, handles, chunks: asyncio.Queue, rid: 
                 return JSONResponse(api.error_body(failed[0], "server_error"), failed[1])
             texts[index].append(chunk.text)
             tokens[index] += chunk.token_ids
+            logprobs[index] += chunk.logprobs or []
             finish[index] = chunk.finish_reason
     finally:
         _cancel_unfinished(service, handles)
-    outputs = [("".join(t), f, _extension(h.seq, ids)) for t, f, h, ids in zip(texts, finish, handles, tokens)]
+    outputs = [
+        ("".join(t), f, _extension(h.seq, ids), service.logprobs(job, lp))
+        for t, f, h, ids, lp in zip(texts, finish, handles, tokens, logprobs)
+    ]
     use = api.usage(sum(h.seq.prompt_len for h in handles), sum(map(len, tokens)))
     return api.response(job, rid, service.model_name, outputs, use)
 
@@ -314,6 +327,7 @@ async def _stream(service: Service, job, handles, chunks: asyncio.Queue, rid: st
     """SSE: chunks with text as the rows make them (choices interleaved, each chunk naming its
     `index`), a final one per choice with its finish_reason, then the usage, then [DONE]."""
     name, counts, left = service.model_name, [0] * len(handles), len(handles)
+    offsets = [0] * len(handles)  # characters of each choice's tokens so far (completions' text_offset)
     try:
         if job.chat:
             yield _sse(api.chunk(job, rid, name, "", None, role=True))
@@ -325,7 +339,10 @@ async def _stream(service: Service, job, handles, chunks: asyncio.Queue, rid: st
                 break
             if chunk.text or chunk.token_ids:
                 extension = {"token_ids": chunk.token_ids}
-                yield _sse(api.chunk(job, rid, name, chunk.text, None, extension, index=index))
+                logprobs = service.logprobs(job, chunk.logprobs, offsets[index])
+                if logprobs is not None and not job.chat:
+                    offsets[index] += sum(map(len, logprobs["tokens"]))
+                yield _sse(api.chunk(job, rid, name, chunk.text, None, extension, index=index, logprobs=logprobs))
             if chunk.finish_reason is not None:
                 yield _sse(api.chunk(job, rid, name, None if job.chat else "", chunk.finish_reason, index=index))
                 left -= 1
