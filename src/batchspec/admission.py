@@ -90,6 +90,7 @@ class Admission:
         self.step_s: float | None = None  # decode step seconds (exponential average)
         self.cost = PrefillCost()  # prefill seconds by tokens per forward
         self.chunks = 0  # prefill forwards that stopped short of a prompt's end
+        self.prefixes = None  # a prefixes.PrefixCache to start prompts from, or None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -141,11 +142,15 @@ class Admission:
             spent, finished = self._feed(batch, limit)
         while self.partial is None and self.waiting and batch.fits(self.waiting[0]):
             room = None if limit is None else limit - spent
-            if room is not None and len(self.waiting[0]) > room:
-                if spent:
+            hit = self.prefixes.match(self.waiting[0].token_ids) if self.prefixes is not None else None
+            rest = len(self.waiting[0]) - (hit.length if hit is not None else 0)
+            if hit is not None or (room is not None and rest > room):  # alone, from its cached prefix
+                if spent and room is not None and rest > room:
                     break  # a long prompt starts next iteration, with a whole chunk
-                self.partial = self._open(batch, self.waiting.popleft())
-                return finished + self._feed(batch, limit)[1]
+                self.partial = self._open(batch, self.waiting.popleft(), hit)
+                used, done = self._feed(batch, room)
+                spent, finished = spent + used, finished + done
+                continue
             group = [self.waiting.popleft()]
             while self.waiting and batch.fits(self.waiting[0], extra=group):
                 if room is not None and sum(map(len, group)) + len(self.waiting[0]) > room:
@@ -155,11 +160,15 @@ class Admission:
             finished += self._prefill_group(batch, group)
         return finished
 
-    def _open(self, batch, seq: Sequence) -> PaddedBatch:
-        """A one-row padded batch with empty caches for a prompt to be fed in chunks."""
+    def _open(self, batch, seq: Sequence, hit=None) -> PaddedBatch:
+        """A one-row padded batch for a prompt to be fed alone (in chunks, or after a cached
+        prefix): its caches hold `hit`'s entries of the roles fed at admission, else nothing."""
         batch.reserve([seq])
         seq.status = Status.RUNNING
-        caches = {role: kv.empty(model.config) for role, model in self.ctx.models().items()}
+        models = self.ctx.models()
+        caches = {role: kv.empty(model.config) for role, model in models.items()}
+        if self.prefixes is not None:
+            caches |= self.prefixes.take(seq, hit, {role: models[role] for role in _roles(self.ctx, batch)})
         return PaddedBatch([seq], caches, self.ctx.pad_id, self.ctx.device)
 
     def _feed(self, batch, limit: int | None) -> tuple[int, list[Sequence]]:
@@ -179,6 +188,8 @@ class Admission:
 
     def _prefill_group(self, batch, group: list[Sequence]) -> list[Sequence]:
         """Prefill whole prompts in length buckets and move them in."""
+        for seq in group if self.prefixes is not None else ():
+            self.prefixes.take(seq, None, {})  # a lookup that missed
         batch.reserve(group)
         group = sorted(group, key=len)
         finished = []

@@ -208,6 +208,14 @@ def _serve_parser(sub) -> None:
         type=int,
         help="prompt tokens prefilled per step while rows decode (default: from measured costs)",
     )
+    g.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        metavar="N",
+        help="KV entries of finished requests kept for later prompts that begin the same way (a chat's "
+        "history, a shared system prompt), least recently used evicted (default: the KV budget)",
+    )
+    g.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
@@ -305,6 +313,8 @@ def check_serve_options(args) -> None:
         raise BatchspecError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if not args.body_timeout > 0:
         raise BatchspecError(f"--body-timeout must be > 0, got {args.body_timeout}")
+    if args.prefix_cache_tokens is not None and (args.no_prefix_cache or args.prefix_cache_tokens < 1):
+        raise BatchspecError("--prefix-cache-tokens takes an integer >= 1 and does not go with --no-prefix-cache")
     args.api_keys = access.read_keys(args.api_key, args.api_key_file, os.environ)
     access.check_binding(args.host, args.api_keys, args.require_api_key)
     if args.metrics_auth and not args.api_keys:

@@ -88,6 +88,9 @@ class EngineConfig:
     window_size: EXSPEC's active pool (default 4 x batch_size). min_group: smallest same-length
     group EXSPEC runs without padding (default batch_size). kv_budget_tokens: KV tokens the
     ragged layout's rows may reserve together (default: its batch_size largest requests).
+    prefix_cache_tokens: ragged: keep the KV entries of rows that leave, up to this many tokens, and
+    start later prompts that share a prefix from them (prefixes.py; None: off; the server's default
+    is on).
     """
 
     method: str = methods.DEFAULT_METHOD
@@ -100,6 +103,7 @@ class EngineConfig:
     kv_budget_tokens: int | None = None
     prefill_chunk: int | None = None  # ragged: prompt tokens prefilled per step; None: unbounded offline,
     # from measured costs in the server
+    prefix_cache_tokens: int | None = None
     check_invariants: bool = False
     progress: bool = False
 
@@ -123,7 +127,7 @@ class EngineConfig:
             raise BatchspecError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         if self.proposer is not None and self.proposer not in PROPOSERS:
             raise BatchspecError(f"unknown proposer {self.proposer!r}; choose one of {', '.join(PROPOSERS)}")
-        for name in ("window_size", "min_group", "kv_budget_tokens", "prefill_chunk"):
+        for name in ("window_size", "min_group", "kv_budget_tokens", "prefill_chunk", "prefix_cache_tokens"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise BatchspecError(f"{name} must be an integer >= 1, got {value!r}")

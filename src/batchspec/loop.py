@@ -21,9 +21,11 @@ from .step import Context, decode_step
 class Loop:
     """Waiting and prefilling sequences (first in, first out) and the running batch."""
 
-    def __init__(self, ctx: Context, batch, prefill_chunk: int | None = None):
-        self.ctx, self.batch = ctx, batch
+    def __init__(self, ctx: Context, batch, prefill_chunk: int | None = None, prefixes=None):
+        """`prefixes`: a prefixes.PrefixCache that keeps leaving rows' entries for later prompts."""
+        self.ctx, self.batch, self.prefixes = ctx, batch, prefixes
         self.admission = Admission(ctx, fixed_chunk=prefill_chunk)
+        self.admission.prefixes = batch.prefixes = prefixes
 
     @property
     def waiting(self) -> deque[Sequence]:
@@ -59,6 +61,7 @@ class Loop:
     def reset(self, batch) -> None:
         """Start afresh on an empty batch (after a failed step); waiting sequences stay."""
         self.batch = batch
+        self.batch.prefixes = self.prefixes
         self.admission.partial = None
 
     def _drop_cancelled(self) -> list[Sequence]:

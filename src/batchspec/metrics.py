@@ -44,6 +44,24 @@ class EngineCollector:
             counters.kv_slots_allocated,
         )
         yield _gauge("batchspec_kv_slots_total", "Target KV tokens the budget allows across all rows", engine.budget)
+        if engine.prefixes is not None:
+            prefixes = engine.prefixes.summary()
+            yield _counter(
+                "batchspec_prefix_cache_lookups", "Admitted prompts looked up in the prefix cache", prefixes["lookups"]
+            )
+            yield _counter(
+                "batchspec_prefix_cache_hits", "Admitted prompts that began with a cached prefix", prefixes["hits"]
+            )
+            yield _counter(
+                "batchspec_prefix_cache_reused_tokens",
+                "Prompt tokens not prefilled: taken from the prefix cache",
+                prefixes["reused_tokens"],
+            )
+            yield _gauge(
+                "batchspec_prefix_cache_held_tokens",
+                "Target KV entries the prefix cache holds",
+                prefixes["held_tokens"],
+            )
 
 
 def _accepted(stats) -> int:

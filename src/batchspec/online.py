@@ -26,6 +26,7 @@ import torch
 from .detok import TextOutput
 from .errors import BatchspecError
 from .loop import Loop
+from .prefixes import PrefixCache
 from .ragged import RaggedBatch
 from .sequence import Sequence
 from .step import Context
@@ -75,14 +76,24 @@ class OnlineEngine:
     tokens across all rows."""
 
     def __init__(
-        self, ctx: Context, capacity: int, budget: int, decode, max_queue: int = 256, prefill_chunk: int | None = None
+        self,
+        ctx: Context,
+        capacity: int,
+        budget: int,
+        decode,
+        max_queue: int = 256,
+        prefill_chunk: int | None = None,
+        prefix_cache_tokens: int | None = None,
     ):
         self.ctx, self.capacity, self.budget, self.decode = ctx, capacity, budget, decode
         self.max_queue = max_queue
         ctx.observe = self._observe
         if ctx.speculation is not None:
             ctx.speculation.defer = True  # its slow upkeep waits for a moment without requests
-        self.loop = Loop(ctx, self._new_batch(), prefill_chunk)
+        self.prefixes = None  # the prefix cache (prefixes.py), or None
+        if prefix_cache_tokens is not None:
+            self.prefixes = PrefixCache(prefix_cache_tokens, getattr(ctx.proposer, "features", None))
+        self.loop = Loop(ctx, self._new_batch(), prefill_chunk, self.prefixes)
         self.requests: dict[int, Request] = {}  # id(seq) -> request, engine thread only
         self.inbox: queue.Queue[Request] = queue.Queue()
         self.lock = threading.Lock()

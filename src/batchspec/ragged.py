@@ -32,6 +32,7 @@ from . import kv
 from .batch import PaddedBatch
 from .errors import BatchspecError
 from .loop import Loop
+from .prefixes import PrefixCache
 from .sequence import Sequence
 from .static import buckets
 from .step import Context
@@ -65,6 +66,7 @@ class RaggedBatch:
         self.reserved = self.incoming = 0
         self.peak_tokens = self.peak_bytes = 0  # most target slots / KV bytes allocated at once
         self.peak_held = 0  # most target entries held at once (what the slots are for)
+        self.prefixes = None  # a prefixes.PrefixCache that keeps leaving rows' entries, or None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -152,12 +154,16 @@ class RaggedBatch:
         return self.retire()
 
     def retire(self) -> list[Sequence]:
-        """Remove finished rows: free their budget and slots; the last row takes the hole (no
-        entry moves). Returns the removed sequences."""
+        """Remove finished rows: free their budget and slots (their entries kept by `prefixes`, if
+        set); the last row takes the hole (no entry moves). Returns the removed sequences."""
         finished = [s for s in self.seqs if s.finished]
         for row in sorted((i for i, s in enumerate(self.seqs) if s.finished), reverse=True):
             last = len(self.seqs) - 1
             self.reserved -= need(self.seqs[row], self.k)
+            if self.prefixes is not None:
+                counts = {role: int(self.counts[role][row]) for role in self.caches}
+                entries = {role: cache.row(row, counts[role]) for role, cache in self.caches.items()}
+                self.prefixes.put(self.seqs[row], entries, counts)
             for role, cache in self.caches.items():
                 cache.release(row)
                 if row != last:
@@ -250,7 +256,10 @@ def run(ctx: Context, seqs: list[Sequence], config) -> None:
     batch = RaggedBatch(ctx.models(), config.batch_size, budget, ctx.slots, ctx.pad_id, ctx.device)
     # Offline every request is known and no client waits for a first token, so admission prefills
     # whatever fits at once (in length buckets) unless a chunk is given; the server chunks.
-    loop = Loop(ctx, batch, config.prefill_chunk if config.prefill_chunk is not None else OFFLINE_CHUNK)
+    prefixes = None
+    if config.prefix_cache_tokens is not None:
+        prefixes = PrefixCache(config.prefix_cache_tokens, getattr(ctx.proposer, "features", None))
+    loop = Loop(ctx, batch, config.prefill_chunk if config.prefill_chunk is not None else OFFLINE_CHUNK, prefixes)
     # All requests are known up front, so admit shortest first (as static batches sort by length):
     # rows in flight then have similar lengths, and the attention span (up to the longest row) is
     # not wasted on a mix of short and long prompts.
@@ -264,3 +273,5 @@ def run(ctx: Context, seqs: list[Sequence], config) -> None:
         kv_peak_held_tokens=batch.peak_held,
         prefill_chunks=loop.admission.chunks,
     )
+    if prefixes is not None:
+        ctx.stats.extra["prefix_cache"] = prefixes.summary()

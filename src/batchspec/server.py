@@ -437,7 +437,8 @@ def build_service(args) -> Service:
     engine_class = OnlineEngine
     if tp.active():  # every rank runs the loop; rank 0 leads (tp_online.py)
         from .tp_online import LockstepEngine as engine_class
-    engine = engine_class(ctx, config.batch_size, budget, decode, args.max_queue, args.prefill_chunk)
+    prefix_tokens = None if args.no_prefix_cache else args.prefix_cache_tokens or budget
+    engine = engine_class(ctx, config.batch_size, budget, decode, args.max_queue, args.prefill_chunk, prefix_tokens)
     name = args.served_model_name or pair.name
     service = Service(engine, pair, name, lock)
     service.policy = access.policy(args)
