@@ -263,6 +263,21 @@ def content_greedy(server, messages):
     return out.choices[0].logprobs.content
 
 
+def test_a_multi_turn_chat_starts_each_turn_from_the_cached_history(server):
+    """Each turn resends the history (prompt, answer, new tokens): from the second turn on, the
+    prompt begins with the previous turn's cached entries; every answer is the reference's."""
+    before = server.metrics()
+    prompt = random_prompts(88, 1, 30, 30)[0]
+    for _ in range(4):
+        out = _complete(server, prompt, max_tokens=10, temperature=0)
+        assert _ids(out) == reference_tokens_64(prompt, 10)
+        prompt = prompt + _ids(out) + random_prompts(len(prompt), 1, 3, 8)[0]
+    after = server.metrics()
+    assert after["batchspec_prefix_cache_hits_total"] - before["batchspec_prefix_cache_hits_total"] >= 3
+    reused = after["batchspec_prefix_cache_reused_tokens_total"] - before["batchspec_prefix_cache_reused_tokens_total"]
+    assert reused >= 3 * 32
+
+
 _TINY64 = {}
 
 
