@@ -127,3 +127,22 @@ def test_sampled_rows_and_logprobs_are_the_same_with_the_cache(tiny64):
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
             assert abs(x.logprob - y.logprob) < 1e-9 and [t for t, _ in x.top] == [t for t, _ in y.top]
     assert dec.stats.extra["prefix_cache"]["hits"] == 3
+
+
+@given(seed=st.integers(0, 10**6), proposer=st.sampled_from(["draft", "eagle"]), k=st.sampled_from([2, "auto"]))
+def test_prompts_admitted_together_share_one_prefill(tiny64, seed, proposer, k):
+    """The same prompt three times and prompts sharing a system prompt, all admitted at once: the
+    first of each is prefilled whole, the others start from its stored entries."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(256) for _ in range(rng.randint(BLOCK + 1, 60))]
+    system = [rng.randrange(256) for _ in range(2 * BLOCK)]
+    shared = [system + [rng.randrange(256) for _ in range(rng.randint(1, 9))] for _ in range(2)]
+    prompts = [prompt] * 3 + shared
+    params = SamplingParams(max_new_tokens=8)
+    dec = SpecDecoder(
+        tiny64, method="ragged", batch_size=5, k=k, proposer=proposer, prefix_cache_tokens=10_000, check_invariants=True
+    )
+    got = [o.token_ids for o in dec.generate(prompts, params)]
+    assert got == reference_tokens(tiny64, prompts, 8)
+    summary = dec.stats.extra["prefix_cache"]
+    assert summary["hits"] == 3 and summary["reused_tokens"] >= 2 * ((len(prompt) - 1) // BLOCK) * BLOCK + 2 * BLOCK

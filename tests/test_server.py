@@ -192,6 +192,13 @@ def test_n_choices_use_derived_seeds_and_are_reproducible(server):
     assert [c.model_extra["batchspec"]["token_ids"] for c in greedy.choices] == (
         [reference_tokens_64(prompt, 6)] * 2 + [reference_tokens_64(prompt[:3], 6)] * 2
     )
+    long_prompt = random_prompts(89, 1, 40, 40)[0]
+    before = server.metrics()["batchspec_prefix_cache_hits_total"]
+    shared = _complete(server, long_prompt, max_tokens=6, temperature=0, n=3)  # one prefill, two from its entries
+    assert [c.model_extra["batchspec"]["token_ids"] for c in shared.choices] == [
+        reference_tokens_64(long_prompt, 6)
+    ] * 3
+    assert server.metrics()["batchspec_prefix_cache_hits_total"] - before >= 2
     chat = server.client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0.7, seed=1, n=2
     )

@@ -155,6 +155,8 @@ class Admission:
             while self.waiting and batch.fits(self.waiting[0], extra=group):
                 if room is not None and sum(map(len, group)) + len(self.waiting[0]) > room:
                     break
+                if self.prefixes is not None and _shares_a_block(self.waiting[0], group, self.prefixes.block):
+                    break  # it starts from this group's entries, once they are stored (n > 1, a system prompt)
                 group.append(self.waiting.popleft())
             spent += sum(map(len, group))
             finished += self._prefill_group(batch, group)
@@ -210,8 +212,25 @@ class Admission:
         batch.unreserve(finished)
         if len(part):
             with self.ctx.stats.stage("schedule"):
+                if self.prefixes is not None:
+                    self._store(part)
                 batch.admit(part)
         return finished
+
+    def _store(self, part: PaddedBatch) -> None:
+        """Keep the prefilled rows' entries in the prefix cache: a prompt that begins the same way
+        (another choice of the same prompt, a shared system prompt) starts from them."""
+        starts = part.pad_left.tolist()
+        shares = {role: kv.split(cache, starts) for role, cache in part.caches.items()}
+        for b, seq in enumerate(part.seqs):
+            entries = {role: rows[b] for role, rows in shares.items()}
+            self.prefixes.put(seq, entries, {role: kv.count(e) for role, e in entries.items()})
+
+
+def _shares_a_block(seq: Sequence, group: list[Sequence], block: int) -> bool:
+    """Whether `seq` begins with the same `block` tokens as a member of `group` (and is longer)."""
+    head = seq.token_ids[:block]
+    return len(seq) > block and any(len(g) >= block and g.token_ids[:block] == head for g in group)
 
 
 def _roles(ctx: Context, batch) -> list[str]:
