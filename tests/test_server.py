@@ -205,6 +205,13 @@ def test_n_choices_use_derived_seeds_and_are_reproducible(server):
     assert len(chat.choices) == 2 and chat.usage.completion_tokens == sum(
         len(c.model_extra["batchspec"]["token_ids"]) for c in chat.choices
     )
+    roles = {}
+    for chunk in server.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0, n=2, stream=True
+    ):
+        for choice in chunk.choices:
+            roles.setdefault(choice.index, choice.delta.role)  # the first delta of each choice
+    assert roles == {0: "assistant", 1: "assistant"}
 
 
 def _reference_logprobs(prompt, max_new, top):

@@ -329,8 +329,8 @@ async def _stream(service: Service, job, handles, chunks: asyncio.Queue, rid: st
     name, counts, left = service.model_name, [0] * len(handles), len(handles)
     offsets = [0] * len(handles)  # characters of each choice's tokens so far (completions' text_offset)
     try:
-        if job.chat:
-            yield _sse(api.chunk(job, rid, name, "", None, role=True))
+        for index in range(len(handles)) if job.chat else ():  # each choice's first delta names the role
+            yield _sse(api.chunk(job, rid, name, "", None, role=True, index=index))
         while left:
             index, chunk = await chunks.get()
             counts[index] += len(chunk.token_ids)
