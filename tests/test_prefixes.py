@@ -79,7 +79,7 @@ def test_taken_entries_are_copies():
 def _turns(seed: int, pair, turns: int, max_new: int) -> list[list[int]]:
     """A chat's prompts: each the previous prompt, the target's answer to it, and new tokens."""
     rng = random.Random(seed)
-    prompt = [rng.randrange(256) for _ in range(rng.randint(1, 40))]
+    prompt = [rng.randrange(256) for _ in range(rng.randint(40, 60))]
     out = []
     for _ in range(turns):
         out.append(prompt)

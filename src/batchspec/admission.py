@@ -35,6 +35,7 @@ from collections import deque
 
 from . import kv, tp
 from .batch import PaddedBatch
+from .prefixes import BLOCK
 from .sequence import Sequence, Status
 from .static import buckets
 from .step import Context, feed, prefill
@@ -142,7 +143,7 @@ class Admission:
             spent, finished = self._feed(batch, limit)
         while self.partial is None and self.waiting and batch.fits(self.waiting[0]):
             room = None if limit is None else limit - spent
-            hit = self.prefixes.match(self.waiting[0].token_ids) if self.prefixes is not None else None
+            hit = self.prefixes.worth(self.waiting[0].token_ids) if self.prefixes is not None else None
             rest = len(self.waiting[0]) - (hit.length if hit is not None else 0)
             if hit is not None or (room is not None and rest > room):  # alone, from its cached prefix
                 if spent and room is not None and rest > room:
@@ -155,7 +156,7 @@ class Admission:
             while self.waiting and batch.fits(self.waiting[0], extra=group):
                 if room is not None and sum(map(len, group)) + len(self.waiting[0]) > room:
                     break
-                if self.prefixes is not None and _shares_a_block(self.waiting[0], group, self.prefixes.block):
+                if self.prefixes is not None and _shares_half(self.waiting[0], group):
                     break  # it starts from this group's entries, once they are stored (n > 1, a system prompt)
                 group.append(self.waiting.popleft())
             spent += sum(map(len, group))
@@ -227,10 +228,12 @@ class Admission:
             self.prefixes.put(seq, entries, {role: kv.count(e) for role, e in entries.items()})
 
 
-def _shares_a_block(seq: Sequence, group: list[Sequence], block: int) -> bool:
-    """Whether `seq` begins with the same `block` tokens as a member of `group` (and is longer)."""
-    head = seq.token_ids[:block]
-    return len(seq) > block and any(len(g) >= block and g.token_ids[:block] == head for g in group)
+def _shares_half(seq: Sequence, group: list[Sequence]) -> bool:
+    """Whether `seq` begins with at least half of its tokens as a member of `group` does (then it
+    is worth starting from that member's stored entries: PrefixCache.worth)."""
+    half = max((len(seq) + 1) // 2, BLOCK)
+    head = seq.token_ids[:half]
+    return len(seq) > half and any(len(g) >= half and g.token_ids[:half] == head for g in group)
 
 
 def _roles(ctx: Context, batch) -> list[str]:

@@ -36,6 +36,7 @@ class Entry:
     """A stored row: `tokens` (those the target's entries hold), each role's entries (cloned;
     a role may hold fewer, `counts`), and the target's features by position (or None)."""
 
+    key: int  # its name in the store
     tokens: list[int]
     kv: dict[str, kv.SeqKV]
     counts: dict[str, int]
@@ -69,6 +70,13 @@ class PrefixCache:
             out.append(h)
         return out
 
+    def worth(self, tokens: list[int]) -> Hit | None:
+        """`match`, where the hit covers at least half of `tokens`: a prompt prefilled alone from a
+        short hit (a chat template's default system prompt) would cost about what it saves, beside
+        being prefilled in one forward with the other prompts waiting."""
+        hit = self.match(tokens)
+        return hit if hit is not None and 2 * hit.length >= len(tokens) else None
+
     def match(self, tokens: list[int]) -> Hit | None:
         """The longest stored prefix of `tokens` in whole blocks, at most len(tokens) - 1 long."""
         best = None
@@ -96,10 +104,7 @@ class PrefixCache:
         self.hits += 1
         self.reused_tokens += hit.length
         entry = hit.entry
-        for key, stored in self.entries.items():  # most recently used now
-            if stored is entry:
-                self.entries.move_to_end(key)
-                break
+        self.entries.move_to_end(entry.key)  # the most recently used now
         for role, model in models.items():
             n = min(hit.length, entry.counts.get(role, 0))
             if n:
@@ -116,12 +121,12 @@ class PrefixCache:
         tokens = seq.token_ids[:n]
         old = self.match(tokens + [-1])
         if old is not None and len(old.entry.tokens) <= n and old.entry.tokens == tokens[: len(old.entry.tokens)]:
-            self._drop(next(key for key, e in self.entries.items() if e is old.entry))
+            self._drop(old.entry.key)
         stored = {role: [(k.clone(), v.clone()) for k, v in entries[role]] for role in entries if counts[role]}
         features = self.features.rows.get(seq) if self.features is not None else None
         features = None if features is None or features.shape[0] < n else features[:n].clone()
         key, self.next_key = self.next_key, self.next_key + 1
-        self.entries[key] = Entry(tokens, stored, {r: counts[r] for r in stored}, features)
+        self.entries[key] = Entry(key, tokens, stored, {r: counts[r] for r in stored}, features)
         for h in self._hashes(tokens, n):
             self.index[h] = key
         self.held += n

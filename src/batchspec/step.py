@@ -203,7 +203,8 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
             settle(batch, fed, path, features)
         rows, accepted = outcome.rows(), outcome.num_accepted.tolist()
         kept = [seq.commit(row, a) for seq, row, a in zip(seqs, rows, accepted)]
-        logprobs.record(seqs, logits, _columns(kept, accepted, None if shape is None else path))
+        if any(seq.logprobs is not None for seq in seqs):
+            logprobs.record(seqs, logits, _columns(kept, accepted, None if shape is None else path))
         stats.record_step(kept, [seq.accepted_per_step[-1] for seq in seqs])
         offered = [width] * len(seqs) if limit is None else limit.tolist()
         for seq, n in zip(seqs, offered):
