@@ -7,7 +7,8 @@
 # ITL (inter-chunk), TPOT (inter-token) and throughput with p50/p99, and sends only what it is told to
 # (guidellm adds `ignore_eos`, which `transformers serve` rejects with 422).
 #
-# Servers: transformers (the peer), batchspec (its defaults), nospec (batchspec --no-spec), and
+# Servers: transformers (the peer), batchspec (its defaults), nospec (batchspec --no-spec), nocache
+#   (batchspec --no-prefix-cache), and
 #   offline: not a server but `batchspec bench --methods ragged` at B = BATCH_SIZE on the same
 #   Spec-Bench prompts (run at C = BATCH_SIZE only), the engine the server should keep up with.
 # Workloads: specbench (16 Spec-Bench chat prompts, every 30th: real text, where lookup and the draft
@@ -70,6 +71,8 @@ start() {  # start server $1 on port $2, logging to $3; prints its pid
                  --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
     nospec) HF_HUB_OFFLINE=1 "$bin/batchspec" serve --pair default --dtype float32 --batch-size "$batch" --no-spec \
               --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
+    nocache) HF_HUB_OFFLINE=1 "$bin/batchspec" serve --pair default --dtype float32 --batch-size "$batch" \
+               --no-prefix-cache --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
     *) echo "unknown server $1" >&2; exit 2 ;;
   esac
   echo $!

@@ -229,11 +229,15 @@ class Admission:
 
 
 def _shares_half(seq: Sequence, group: list[Sequence]) -> bool:
-    """Whether `seq` begins with at least half of its tokens as a member of `group` does (then it
-    is worth starting from that member's stored entries: PrefixCache.worth)."""
-    half = max((len(seq) + 1) // 2, BLOCK)
-    head = seq.token_ids[:half]
-    return len(seq) > half and any(len(g) >= half and g.token_ids[:half] == head for g in group)
+    """Whether `seq` would start from a member of `group`'s stored entries: the whole blocks it
+    shares with one cover at least half of it (PrefixCache.worth's rule)."""
+    for g in group:
+        pairs = zip(seq.token_ids, g.prompt_ids)
+        same = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(seq), g.prompt_len))
+        reused = min(same, len(seq) - 1) // BLOCK * BLOCK
+        if reused and 2 * reused >= len(seq):
+            return True
+    return False
 
 
 def _roles(ctx: Context, batch) -> list[str]:
