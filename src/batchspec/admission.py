@@ -219,13 +219,17 @@ class Admission:
         return finished
 
     def _store(self, part: PaddedBatch) -> None:
-        """Keep the prefilled rows' entries in the prefix cache: a prompt that begins the same way
-        (another choice of the same prompt, a shared system prompt) starts from them."""
+        """Keep the entries of the prefilled rows that a waiting prompt would start from (another
+        choice of the same prompt, a shared system prompt) in the prefix cache now; the others are
+        kept when their rows leave (a copy costs memory bandwidth: only the ones of use now)."""
+        rows = [b for b, seq in enumerate(part.seqs) if any(_shares_half(w, [seq]) for w in self.waiting)]
+        if not rows:
+            return
         starts = part.pad_left.tolist()
         shares = {role: kv.split(cache, starts) for role, cache in part.caches.items()}
-        for b, seq in enumerate(part.seqs):
-            entries = {role: rows[b] for role, rows in shares.items()}
-            self.prefixes.put(seq, entries, {role: kv.count(e) for role, e in entries.items()})
+        for b in rows:
+            entries = {role: split[b] for role, split in shares.items()}
+            self.prefixes.put(part.seqs[b], entries, {role: kv.count(e) for role, e in entries.items()})
 
 
 def _shares_half(seq: Sequence, group: list[Sequence]) -> bool:
