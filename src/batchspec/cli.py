@@ -48,6 +48,11 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dtype", choices=list(DTYPES), default="float32", help="float32 (default: exact) or bfloat16 (fast)"
     )
+    g.add_argument(
+        "--draft-dtype",
+        choices=list(DTYPES),
+        help="the draft model's and draft head's own precision (default: --dtype); the output does not depend on it",
+    )
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument(
         "--tp",
@@ -391,7 +396,13 @@ def engine_config(args, method: str, batch_size: int, progress: bool) -> EngineC
 
 def load_models(args):
     return load_pair(
-        pair=args.pair, target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, tp_size=args.tp
+        pair=args.pair,
+        target=args.target,
+        draft=args.draft,
+        dtype=args.dtype,
+        device=args.device,
+        tp_size=args.tp,
+        draft_dtype=args.draft_dtype,
     )
 
 

@@ -66,6 +66,7 @@ class ModelPair:
             "target": info(self.target),
             "draft": info(self.draft),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "draft_dtype": _dtype_of(self.draft if self.draft is not None else self.head),
         }
 
     def encode(self, prompt: str | list[int], chat_template: bool = True) -> list[int]:
@@ -103,21 +104,26 @@ def load_pair(
     dtype: str = "float32",
     device: str | None = None,
     tp_size: int = 1,
+    draft_dtype: str | None = None,
 ) -> ModelPair:
     """Load a built-in pair by name, or a target (and optional draft) from a directory, a .gguf
     file or a hub id. Without a draft the pair uses the n-gram proposer. `tp_size` > 1: this
-    process is one rank of a tensor-parallel group (tp.py); the target is sharded, the draft whole."""
+    process is one rank of a tensor-parallel group (tp.py); the target is sharded, the draft whole.
+    `draft_dtype`: the draft model's and the head's precision (default: `dtype`); a drafter's
+    numerics change how many drafts are accepted, never the output."""
     started, before = time.perf_counter(), diskcache.tally.copy()
-    result = _load_pair(pair, target, draft, dtype, device, tp_size)
+    result = _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype)
     new = diskcache.tally - before
     how = "converted the GGUF" if new["gguf converted"] else "cached GGUF conversion" if new["gguf reused"] else "read"
     result.startup = {"load_s": round(time.perf_counter() - started, 3), "weights": how}
     return result
 
 
-def _load_pair(pair, target, draft, dtype, device, tp_size) -> ModelPair:
+def _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype=None) -> ModelPair:
     if dtype not in DTYPES:
         raise BatchspecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if draft_dtype is not None and draft_dtype not in DTYPES:
+        raise BatchspecError(f"unknown draft dtype {draft_dtype!r}; choose one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu" and torch_dtype == torch.bfloat16 and not cpu_has_bf16():
@@ -149,12 +155,29 @@ def _load_pair(pair, target, draft, dtype, device, tp_size) -> ModelPair:
         result.head.to(device)  # its copy of the target's output rows too; the embedding is shared
     if result.draft_vocab_ids is not None:
         result.draft_vocab_ids = result.draft_vocab_ids.to(device)
+    if draft_dtype is not None and draft_dtype != dtype:
+        for model in (result.draft, result.head):
+            if model is not None:
+                cast_own(model, DTYPES[draft_dtype], result.target)
     # On a CPU: the faster BLAS formulation per row count. Not a sharded target: its linear layers
     # carry transformers' tensor-parallel hooks.
     for model in (result.target if tp_size == 1 else None, result.draft, result.head):
         if model is not None:
             tune_linears(model)
     return result
+
+
+def cast_own(model: torch.nn.Module, dtype: torch.dtype, target: torch.nn.Module) -> None:
+    """Cast `model`'s floating parameters and buffers to `dtype`, except those it shares with
+    `target` (a draft's or head's tied embedding stays as the target holds it)."""
+    shared = {id(p) for p in target.parameters()}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) not in shared and param.is_floating_point():
+                param.data = param.data.to(dtype)
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.is_floating_point():
+                setattr(module, name, buf.to(dtype))
 
 
 def cpu_has_bf16() -> bool:
@@ -450,3 +473,10 @@ def check_vocab(target, target_tok, draft, draft_tok) -> None:
             f"tokenizer mismatch: target tokenizer has {lens[0]} tokens, draft tokenizer {lens[1]}, "
             f"and they encode a probe string differently ({ids[0][:8]}... vs {ids[1][:8]}...)"
         )
+
+
+def _dtype_of(model) -> str | None:
+    """The dtype of a drafter's own weights (its last parameter: not a tied embedding), or None."""
+    if model is None:
+        return None
+    return str(list(model.parameters())[-1].dtype).removeprefix("torch.")
