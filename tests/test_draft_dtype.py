@@ -45,6 +45,18 @@ def test_a_bfloat16_drafter_leaves_the_output_exact(tiny_bf16_draft, tiny64, see
     assert got == reference_tokens(tiny64, prompts, 12)  # the same float64 target
 
 
+def test_the_default_pairs_tied_drafters_in_bfloat16_are_exact(default_pair):
+    """The shipped draft and head share the float32 target's embedding: their caches take their own
+    dtype (kv.entry_dtype), the invariant checker its tolerance; tokens equal the float32 target's."""
+    pair = load_pair("default", dtype="float32", draft_dtype="bfloat16")
+    prompts, params = ["Why is the sky blue?", "List three prime numbers."], SamplingParams(max_new_tokens=12)
+    want = [o.token_ids for o in SpecDecoder(default_pair, method="ar").generate(prompts, params)]
+    for proposer in ("draft", "ngram+eagle"):
+        for method in ("ragged", "eqspec"):
+            dec = SpecDecoder(pair, method=method, proposer=proposer, k=3, batch_size=2, check_invariants=True)
+            assert [o.token_ids for o in dec.generate(prompts, params)] == want, (proposer, method)
+
+
 def test_bad_draft_dtype_is_refused():
     with pytest.raises(BatchspecError, match="unknown draft dtype 'int3'"):
         load_pair("tiny", draft_dtype="int3")

@@ -153,7 +153,7 @@ def time_rows(model, lengths: list[int], q: int, repeats: int = 1, classes: bool
     fed as the ragged layout feeds it (in size classes, or one slab if not `classes`; the slots'
     contents are irrelevant to the time, so nothing is prefilled), after an untimed run if `warmup`."""
     device, rows = next(model.parameters()).device, len(lengths)
-    cache = kv.SlotCache(model.config, next(model.parameters()).dtype, device, rows, classes)
+    cache = kv.SlotCache(model.config, kv.entry_dtype(model), device, rows, classes)
     positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(q, device=device)[None, :]
     mask = (torch.arange(max(lengths) + q, device=device)[None, None, :] <= positions[:, :, None])[:, None]
     ids = torch.zeros(rows, q, dtype=torch.long, device=device)
@@ -186,7 +186,7 @@ def probe(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768), fres
     of the machine does not skew one width against the others. Kept per model and shape for the
     process, and on disk (diskcache.py, "step-probes") for later starts on the same machine;
     `fresh` measures again and replaces both."""
-    key = (rows, q_max, spans, next(model.parameters()).dtype)
+    key = (rows, q_max, spans, kv.entry_dtype(model))
     per_model = _PROBES.setdefault(model, {})
     if key in per_model and not fresh:
         return per_model[key][0]
@@ -205,7 +205,7 @@ def probe(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768), fres
 
 def from_disk(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768)) -> bool:
     """Whether `probe(model, rows, q_max, spans)` came from the disk cache (not measured here)."""
-    found = _PROBES.get(model, {}).get((rows, q_max, spans, next(model.parameters()).dtype))
+    found = _PROBES.get(model, {}).get((rows, q_max, spans, kv.entry_dtype(model)))
     return bool(found and found[1])
 
 

@@ -48,7 +48,7 @@ def _check_row(model, role: str, row: int, tokens: list[int], cached: kv.SeqKV, 
     if getattr(model, "needs_features", False):  # a draft head: the target's features of the same tokens
         extra["features"] = shifted(reference_features(target, ids, model.aux))
     model(input_ids=ids, cache=fresh, use_cache=True, logits_to_keep=1, **extra)
-    tol = TOLERANCE.get(next(model.parameters()).dtype, 1e-3)
+    tol = TOLERANCE.get(kv.entry_dtype(model), 1e-3)
     if extra:  # features come out of the target's final RMSNorm, computed in float32 whatever the dtype
         tol = max(tol, FEATURE_TOLERANCE)
     for layer, ((k, v), (fk, fv)) in enumerate(zip(cached, kv.tensors(fresh), strict=True)):

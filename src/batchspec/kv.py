@@ -102,6 +102,14 @@ def unsupported_layers(config) -> set[str]:
     return {type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer}
 
 
+def entry_dtype(model) -> torch.dtype:
+    """The dtype of `model`'s KV entries: its own layers' (`model.dtype` where a draft or head tied
+    to a target's embedding in another precision says so; transformers' models report their first
+    floating parameter's)."""
+    own = getattr(model, "dtype", None)
+    return own if isinstance(own, torch.dtype) else next(model.parameters()).dtype
+
+
 def kv_heads(config) -> int:
     """KV heads one process holds: all of them, or its share when transformers loaded the model
     tensor-parallel (the config then carries `distributed_config.tp_size`)."""

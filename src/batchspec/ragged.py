@@ -57,9 +57,7 @@ class RaggedBatch:
     def __init__(self, models: dict, capacity: int, budget: int, k: int, pad_id: int, device):
         self.seqs: list[Sequence] = []
         self.capacity, self.budget, self.k, self.pad_id, self.device = capacity, budget, k, pad_id, device
-        self.caches = {
-            role: kv.SlotCache(m.config, next(m.parameters()).dtype, device, capacity) for role, m in models.items()
-        }
+        self.caches = {role: kv.SlotCache(m.config, kv.entry_dtype(m), device, capacity) for role, m in models.items()}
         self.counts = {role: torch.zeros(capacity, dtype=torch.long, device=device) for role in models}
         self.heads = {role: torch.zeros(capacity, dtype=torch.long, device=device) for role in models}
         self.fed: set[str] = set()  # roles fed since the last realign (a draft skips plain steps)
