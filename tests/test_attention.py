@@ -100,6 +100,7 @@ def test_rows_of_several_classes_attend_in_one_call_per_class(tiny64, monkeypatc
     assert [0, 1, 2] in plans  # 256-, 512- and 1,024-slot classes in one forward
 
 
+@pytest.mark.scripts
 def test_attention_cost_script_tiny(tmp_path):
     """scripts/attention_cost.py runs on the tiny pair and times both attentions at every shape."""
     out = tmp_path / "times.json"

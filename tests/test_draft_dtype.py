@@ -51,10 +51,9 @@ def test_the_default_pairs_tied_drafters_in_bfloat16_are_exact(default_pair):
     pair = load_pair("default", dtype="float32", draft_dtype="bfloat16")
     prompts, params = ["Why is the sky blue?", "List three prime numbers."], SamplingParams(max_new_tokens=12)
     want = [o.token_ids for o in SpecDecoder(default_pair, method="ar").generate(prompts, params)]
-    for proposer in ("draft", "ngram+eagle"):
-        for method in ("ragged", "eqspec"):
-            dec = SpecDecoder(pair, method=method, proposer=proposer, k=3, batch_size=2, check_invariants=True)
-            assert [o.token_ids for o in dec.generate(prompts, params)] == want, (proposer, method)
+    for proposer, method in (("draft", "ragged"), ("ngram+eagle", "eqspec")):
+        dec = SpecDecoder(pair, method=method, proposer=proposer, k=3, batch_size=2, check_invariants=True)
+        assert [o.token_ids for o in dec.generate(prompts, params)] == want, (proposer, method)
 
 
 def test_bad_draft_dtype_is_refused():

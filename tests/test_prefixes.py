@@ -8,7 +8,7 @@ import random
 
 import torch
 from helpers import reference_tokens
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec import SamplingParams, SpecDecoder
@@ -101,6 +101,7 @@ def _turns(seed: int, pair, turns: int, max_new: int) -> list[list[int]]:
     return out
 
 
+@settings(max_examples=10)
 @given(
     seed=st.integers(0, 10**6),
     batch_size=st.integers(1, 3),

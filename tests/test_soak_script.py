@@ -10,7 +10,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT
+
+pytestmark = pytest.mark.scripts  # a measurement script's test: on demand
 
 
 def test_soak_tiny(tmp_path):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from helpers import run_script
+
+pytestmark = pytest.mark.scripts  # a measurement script's test: on demand
 
 
 def test_tree_shapes_tiny(tmp_path):
