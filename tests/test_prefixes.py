@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec import SamplingParams, SpecDecoder
-from batchspec.admission import _shares_half
-from batchspec.prefixes import BLOCK, PrefixCache
+from batchspec.prefixes import BLOCK, PrefixCache, would_reuse
 from batchspec.sequence import Sequence
 
 
@@ -82,11 +81,11 @@ def test_only_prompts_that_would_reuse_half_are_held_out_of_a_group():
     one prefill group; the same prompt again, or a long shared system prompt, waits for the entries."""
     template = list(range(24))
     a, b = _row(template + [100] * 16), _row(template + [200] * 16)
-    assert not _shares_half(b, [a])
-    assert _shares_half(_row(a.prompt_ids), [a])
+    assert not would_reuse(b, [a])
+    assert would_reuse(_row(a.prompt_ids), [a])
     system = list(range(3 * BLOCK))
-    assert _shares_half(_row(system + [7] * 10), [_row(system + [9] * 30)])
-    assert not _shares_half(_row(list(range(BLOCK))), [_row(list(range(BLOCK)))])  # nothing to reuse: 1 block, all fed
+    assert would_reuse(_row(system + [7] * 10), [_row(system + [9] * 30)])
+    assert not would_reuse(_row(list(range(BLOCK))), [_row(list(range(BLOCK)))])  # nothing to reuse: 1 block, all fed
 
 
 def _turns(seed: int, pair, turns: int, max_new: int) -> list[list[int]]:

@@ -35,7 +35,7 @@ from collections import deque
 
 from . import kv, tp
 from .batch import PaddedBatch
-from .prefixes import BLOCK
+from .prefixes import PrefixCache, would_reuse
 from .sequence import Sequence, Status
 from .static import buckets
 from .step import Context, feed, prefill
@@ -91,7 +91,7 @@ class Admission:
         self.step_s: float | None = None  # decode step seconds (exponential average)
         self.cost = PrefillCost()  # prefill seconds by tokens per forward
         self.chunks = 0  # prefill forwards that stopped short of a prompt's end
-        self.prefixes = None  # a prefixes.PrefixCache to start prompts from, or None
+        self.prefixes: PrefixCache | None = None  # where prompts start from, if set (Loop sets it)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -156,7 +156,7 @@ class Admission:
             while self.waiting and batch.fits(self.waiting[0], extra=group):
                 if room is not None and sum(map(len, group)) + len(self.waiting[0]) > room:
                     break
-                if self.prefixes is not None and _shares_half(self.waiting[0], group):
+                if self.prefixes is not None and would_reuse(self.waiting[0], group):
                     break  # it starts from this group's entries, once they are stored (n > 1, a system prompt)
                 group.append(self.waiting.popleft())
             spent += sum(map(len, group))
@@ -222,7 +222,7 @@ class Admission:
         """Keep the entries of the prefilled rows that a waiting prompt would start from (another
         choice of the same prompt, a shared system prompt) in the prefix cache now; the others are
         kept when their rows leave (a copy costs memory bandwidth: only the ones of use now)."""
-        rows = [b for b, seq in enumerate(part.seqs) if any(_shares_half(w, [seq]) for w in self.waiting)]
+        rows = [b for b, seq in enumerate(part.seqs) if any(would_reuse(w, [seq]) for w in self.waiting)]
         if not rows:
             return
         starts = part.pad_left.tolist()
@@ -230,18 +230,6 @@ class Admission:
         for b in rows:
             entries = {role: split[b] for role, split in shares.items()}
             self.prefixes.put(part.seqs[b], entries, {role: kv.count(e) for role, e in entries.items()})
-
-
-def _shares_half(seq: Sequence, group: list[Sequence]) -> bool:
-    """Whether `seq` would start from a member of `group`'s stored entries: the whole blocks it
-    shares with one cover at least half of it (PrefixCache.worth's rule)."""
-    for g in group:
-        pairs = zip(seq.token_ids, g.prompt_ids)
-        same = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(seq), g.prompt_len))
-        reused = min(same, len(seq) - 1) // BLOCK * BLOCK
-        if reused and 2 * reused >= len(seq):
-            return True
-    return False
 
 
 def _roles(ctx: Context, batch) -> list[str]:

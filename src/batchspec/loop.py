@@ -14,6 +14,7 @@ import time
 from collections import deque
 
 from .admission import Admission
+from .prefixes import PrefixCache
 from .sequence import Sequence
 from .step import Context, decode_step
 
@@ -21,11 +22,15 @@ from .step import Context, decode_step
 class Loop:
     """Waiting and prefilling sequences (first in, first out) and the running batch."""
 
-    def __init__(self, ctx: Context, batch, prefill_chunk: int | None = None, prefixes=None):
-        """`prefixes`: a prefixes.PrefixCache that keeps leaving rows' entries for later prompts."""
-        self.ctx, self.batch, self.prefixes = ctx, batch, prefixes
+    def __init__(self, ctx: Context, batch, prefill_chunk: int | None = None, prefix_cache_tokens: int | None = None):
+        """`prefix_cache_tokens`: keep up to this many tokens of leaving rows' entries for later
+        prompts that begin the same way (`prefixes`, a prefixes.PrefixCache; None: none)."""
+        self.ctx, self.batch = ctx, batch
+        self.prefixes = None
+        if prefix_cache_tokens is not None:
+            self.prefixes = PrefixCache(prefix_cache_tokens, getattr(ctx.proposer, "features", None))
         self.admission = Admission(ctx, fixed_chunk=prefill_chunk)
-        self.admission.prefixes = batch.prefixes = prefixes
+        self.admission.prefixes = batch.prefixes = self.prefixes
 
     @property
     def waiting(self) -> deque[Sequence]:

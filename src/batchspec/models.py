@@ -66,7 +66,7 @@ class ModelPair:
             "target": info(self.target),
             "draft": info(self.draft),
             "dtype": str(self.dtype).removeprefix("torch."),
-            "draft_dtype": _dtype_of(self.draft if self.draft is not None else self.head),
+            "draft_dtype": _dtype_name(self.draft if self.draft is not None else self.head),
         }
 
     def encode(self, prompt: str | list[int], chat_template: bool = True) -> list[int]:
@@ -475,8 +475,6 @@ def check_vocab(target, target_tok, draft, draft_tok) -> None:
         )
 
 
-def _dtype_of(model) -> str | None:
-    """The dtype of a drafter's own weights (its last parameter: not a tied embedding), or None."""
-    if model is None:
-        return None
-    return str(list(model.parameters())[-1].dtype).removeprefix("torch.")
+def _dtype_name(model) -> str | None:
+    """A drafter's own precision (kv.entry_dtype: not a tied embedding's) by name, or None."""
+    return None if model is None else str(kv.entry_dtype(model)).removeprefix("torch.")

@@ -26,7 +26,6 @@ import torch
 from .detok import TextOutput
 from .errors import BatchspecError
 from .loop import Loop
-from .prefixes import PrefixCache
 from .ragged import RaggedBatch
 from .sequence import Sequence
 from .step import Context
@@ -90,10 +89,8 @@ class OnlineEngine:
         ctx.observe = self._observe
         if ctx.speculation is not None:
             ctx.speculation.defer = True  # its slow upkeep waits for a moment without requests
-        self.prefixes = None  # the prefix cache (prefixes.py), or None
-        if prefix_cache_tokens is not None:
-            self.prefixes = PrefixCache(prefix_cache_tokens, getattr(ctx.proposer, "features", None))
-        self.loop = Loop(ctx, self._new_batch(), prefill_chunk, self.prefixes)
+        self.loop = Loop(ctx, self._new_batch(), prefill_chunk, prefix_cache_tokens)
+        self.prefixes = self.loop.prefixes  # the prefix cache (prefixes.py), or None
         self.requests: dict[int, Request] = {}  # id(seq) -> request, engine thread only
         self.inbox: queue.Queue[Request] = queue.Queue()
         self.lock = threading.Lock()
@@ -221,7 +218,9 @@ class OnlineEngine:
         tokens = seq.token_ids[seq.prompt_len + before : seq.prompt_len + out.num_tokens]
         self.counters.generated_tokens += len(tokens)
         logprobs = None if seq.logprobs is None else seq.logprobs[before : out.num_tokens]
-        return Chunk(out.take(final=seq.finished), tokens, seq.finish_reason if seq.finished else None, None, logprobs)
+        return Chunk(
+            out.take(final=seq.finished), tokens, seq.finish_reason if seq.finished else None, logprobs=logprobs
+        )
 
     def _retire(self, seq: Sequence) -> None:
         request = self.requests.pop(id(seq), None)

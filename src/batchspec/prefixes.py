@@ -31,6 +31,26 @@ from . import kv
 BLOCK = 16  # tokens per hashed block: the granularity of a hit
 
 
+def reusable(shared: int, length: int) -> int:
+    """Tokens a prompt of `length` tokens would start from, given that its first `shared` tokens
+    are stored: whole blocks, never its last token, and only where they cover at least half of it
+    (a prompt prefilled alone from a short hit, such as a chat template's default system prompt,
+    costs about what it saves, beside being prefilled in one forward with the others waiting);
+    else 0."""
+    reused = min(shared, length - 1) // BLOCK * BLOCK
+    return reused if reused and 2 * reused >= length else 0
+
+
+def would_reuse(seq, others: list) -> bool:
+    """Whether `seq` would start from the stored prompt entries of one of `others` (`reusable`)."""
+    for other in others:
+        pairs = zip(seq.token_ids, other.prompt_ids)
+        same = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(seq), other.prompt_len))
+        if reusable(same, len(seq)):
+            return True
+    return False
+
+
 @dataclass
 class Entry:
     """A stored row: `tokens` (those the target's entries hold), each role's entries (cloned;
@@ -71,11 +91,9 @@ class PrefixCache:
         return out
 
     def worth(self, tokens: list[int]) -> Hit | None:
-        """`match`, where the hit covers at least half of `tokens`: a prompt prefilled alone from a
-        short hit (a chat template's default system prompt) would cost about what it saves, beside
-        being prefilled in one forward with the other prompts waiting."""
+        """`match`, where the hit is worth starting from (`reusable`)."""
         hit = self.match(tokens)
-        return hit if hit is not None and 2 * hit.length >= len(tokens) else None
+        return hit if hit is not None and reusable(hit.length, len(tokens)) else None
 
     def match(self, tokens: list[int]) -> Hit | None:
         """The longest stored prefix of `tokens` in whole blocks, at most len(tokens) - 1 long."""

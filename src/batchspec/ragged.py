@@ -32,7 +32,6 @@ from . import kv
 from .batch import PaddedBatch
 from .errors import BatchspecError
 from .loop import Loop
-from .prefixes import PrefixCache
 from .sequence import Sequence
 from .static import buckets
 from .step import Context
@@ -254,10 +253,8 @@ def run(ctx: Context, seqs: list[Sequence], config) -> None:
     batch = RaggedBatch(ctx.models(), config.batch_size, budget, ctx.slots, ctx.pad_id, ctx.device)
     # Offline every request is known and no client waits for a first token, so admission prefills
     # whatever fits at once (in length buckets) unless a chunk is given; the server chunks.
-    prefixes = None
-    if config.prefix_cache_tokens is not None:
-        prefixes = PrefixCache(config.prefix_cache_tokens, getattr(ctx.proposer, "features", None))
-    loop = Loop(ctx, batch, config.prefill_chunk if config.prefill_chunk is not None else OFFLINE_CHUNK, prefixes)
+    chunk = config.prefill_chunk if config.prefill_chunk is not None else OFFLINE_CHUNK
+    loop = Loop(ctx, batch, chunk, config.prefix_cache_tokens)
     # All requests are known up front, so admit shortest first (as static batches sort by length):
     # rows in flight then have similar lengths, and the attention span (up to the longest row) is
     # not wasted on a mix of short and long prompts.
@@ -271,5 +268,5 @@ def run(ctx: Context, seqs: list[Sequence], config) -> None:
         kv_peak_held_tokens=batch.peak_held,
         prefill_chunks=loop.admission.chunks,
     )
-    if prefixes is not None:
-        ctx.stats.extra["prefix_cache"] = prefixes.summary()
+    if loop.prefixes is not None:
+        ctx.stats.extra["prefix_cache"] = loop.prefixes.summary()
