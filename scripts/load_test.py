@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from batchspec.prompts import read_prompts
+from batchspec.tools.prompts import read_prompts
 
 DEFAULT_PROMPTS = "/work/shared/data/spec_bench/question.jsonl"
 

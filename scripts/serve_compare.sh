@@ -47,7 +47,8 @@ fi
 # The same weights for every server: the directory batchspec reads the default pair's GGUF from.
 weights=$(HF_HUB_OFFLINE=1 "$PY" - <<'EOF'
 
-from batchspec import diskcache, models
+from batchspec.core import diskcache
+from batchspec.models import pair as models
 models.load_pair("default", dtype="float32")  # converts the GGUF once, if not done yet
 print(diskcache.complete("models", models.gguf_name(models.smollm2_path())))
 EOF

@@ -1,4 +1,4 @@
-"""Train the shipped EAGLE-style head for SmolLM2-135M-Instruct (batchspec.eagle), end to end.
+"""Train the shipped EAGLE-style head for SmolLM2-135M-Instruct (batchspec.models.eagle), end to end.
 
     python scripts/train_eagle.py                  # data (cached) -> head -> weights (~40 min, 2 CPU cores)
     python scripts/train_eagle.py --pair tiny --steps 50 --out /tmp/head.safetensors   # seconds
@@ -44,10 +44,11 @@ import pipeline  # noqa: E402
 import selfinstruct  # noqa: E402
 import vocab  # noqa: E402
 
-from batchspec import kv  # noqa: E402
-from batchspec.draft import draft_config  # noqa: E402
-from batchspec.eagle import EAGLE_FILE, EagleHead, decoder_features, load_head, save_head, shifted  # noqa: E402
-from batchspec.models import cpu_has_bf16, load_pair  # noqa: E402
+from batchspec.cache import kv
+from batchspec.models.draft import draft_config  # noqa: E402
+from batchspec.models.eagle import EAGLE_FILE, EagleHead, load_head, save_head
+from batchspec.models.forward import decoder_features, shifted
+from batchspec.models.pair import cpu_has_bf16, load_pair  # noqa: E402
 
 LOG = logging.getLogger("train_eagle")
 TRAINING_KEYS = (

@@ -31,10 +31,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_script(name: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    """Run scripts/<name> with this checkout's package, offline; assert it exits 0."""
+    """Run scripts/<name> (a tool) or experiments/<name> (a measurement) with this checkout's
+    package, offline; assert it exits 0."""
     src = os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")
     env = {**os.environ, "PYTHONPATH": src, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     script = os.path.join(ROOT, "scripts", name)
+    if not os.path.exists(script):
+        script = os.path.join(ROOT, "experiments", name)
     run = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=timeout)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from batchspec import SamplingParams
-from batchspec.acceptance import accept
-from batchspec.sampling import choose, gumbel, probabilities
+from batchspec.core.acceptance import accept
+from batchspec.core.sampling import choose, gumbel, probabilities
 
 
 def logits_with_argmax(argmax: list[list[int]], vocab: int = 10) -> torch.Tensor:

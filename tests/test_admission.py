@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchspec.admission import MIN_CHUNK, Admission, PrefillCost
+from batchspec.engine.admission import MIN_CHUNK, Admission, PrefillCost
 
 
 @given(

@@ -1,4 +1,4 @@
-"""scripts/admission_stall.py end to end on the tiny pair: every run decodes all rows, the late
+"""experiments/admission_stall.py end to end on the tiny pair: every run decodes all rows, the late
 long prompt is prefilled whole when unchunked and over several iterations when chunked."""
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from batchspec import SamplingParams, SpecDecoder, attention, kv
+from batchspec import SamplingParams, SpecDecoder
+from batchspec.cache import kv
+from batchspec.models import attention
 
 
 class Heads(torch.nn.Module):
@@ -102,7 +104,7 @@ def test_rows_of_several_classes_attend_in_one_call_per_class(tiny64, monkeypatc
 
 @pytest.mark.scripts
 def test_attention_cost_script_tiny(tmp_path):
-    """scripts/attention_cost.py runs on the tiny pair and times both attentions at every shape."""
+    """experiments/attention_cost.py runs on the tiny pair and times both attentions at every shape."""
     out = tmp_path / "times.json"
     run_script("attention_cost.py", "--pair", "tiny", "--widths", "1,3", "--repeats", "1", "--json", str(out))
     times = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""scripts/auto_steps.py end to end on the tiny pair: both decoders run, every step of auto is
+"""experiments/auto_steps.py end to end on the tiny pair: both decoders run, every step of auto is
 grouped, the groups account for every token auto generated."""
 
 from __future__ import annotations

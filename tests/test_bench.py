@@ -77,8 +77,8 @@ def test_bench_cli_reports_every_field(tmp_path, capsys):
 def test_bench_pairs_runs_of_a_repeat_and_alternates_their_order(tiny32, monkeypatch, capsys):
     """Repeats run the configurations in reverse order every other time; `auto` is compared with
     the best of ar and its fixed k in each repeat, the median reported and printed."""
-    from batchspec import bench
-    from batchspec.config import SamplingParams
+    from batchspec.core.config import SamplingParams
+    from batchspec.tools import bench
 
     order, run_one = [], bench.run_one
     monkeypatch.setattr(bench, "run_one", lambda *a, **kw: order.append(a[2:6]) or run_one(*a, **kw))

@@ -1,4 +1,4 @@
-"""scripts/copy_ops.py end to end: every operation, dtype and shape is timed in both forms, and the
+"""experiments/copy_ops.py end to end: every operation, dtype and shape is timed in both forms, and the
 script's own check (the engine's form gives the plain form's result) passes on bfloat16 and float32."""
 
 from __future__ import annotations

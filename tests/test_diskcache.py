@@ -15,8 +15,12 @@ import warnings
 import pytest
 import torch
 
-from batchspec import SamplingParams, SpecDecoder, costmodel, diskcache, linears, models, speculation
-from batchspec.models import tiny_pair
+from batchspec import SamplingParams, SpecDecoder
+from batchspec.core import diskcache
+from batchspec.models import linears
+from batchspec.models import pair as models
+from batchspec.models.pair import tiny_pair
+from batchspec.policy import costmodel, speculation
 
 PROMPTS = [[5, 9, 12, 7, 7, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]]
 
@@ -171,8 +175,8 @@ def test_a_server_probes_a_drifted_fit_when_idle_not_mid_step(cache, monkeypatch
 
 
 def test_the_online_engine_defers_upkeep_to_idle_moments():
-    from batchspec.online import OnlineEngine
-    from batchspec.step import Context
+    from batchspec.engine.online import OnlineEngine
+    from batchspec.engine.step import Context
 
     pair = tiny_pair()
     policy = speculation.Adaptive(pair.target, _ngram(pair), 2, k_max=2)
@@ -192,7 +196,7 @@ def test_the_online_engine_defers_upkeep_to_idle_moments():
 
 
 def _ngram(pair):
-    from batchspec.proposer import NgramProposer
+    from batchspec.proposers.ngram import NgramProposer
 
     return NgramProposer(pair.vocab_size)
 

@@ -1,4 +1,4 @@
-"""The shipped SmolLM2 draft (`batchspec.draft`): it loads offline, its reduced vocabulary is sane,
+"""The shipped SmolLM2 draft (`batchspec.models.draft`): it loads offline, its reduced vocabulary is sane,
 it is called like a causal LM (logit shapes with and without a cache, left-padded batches), and
 cached incremental logits equal a full forward."""
 
@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from batchspec import SamplingParams, SpecDecoder, load_pair
-from batchspec.draft import DRAFT_FILE, SmolDraft
+from batchspec.models.draft import DRAFT_FILE, SmolDraft
 
 EOS_ID = 2  # <|im_end|>
 
@@ -113,8 +113,8 @@ def test_every_method_with_the_draft_equals_reference(pair):
 def test_reduced_head_samples_its_full_vocabulary_distribution(pair):
     """The 8192-id head picks with the full-vocabulary noise exactly as its distribution over the
     full vocabulary (zero outside its ids) would, and reports its own probability of the pick."""
-    from batchspec.proposer import DraftProposer
-    from batchspec.sampling import RowParams, choose, gumbel, probabilities
+    from batchspec.core.sampling import RowParams, choose, gumbel, probabilities
+    from batchspec.proposers.draft import DraftProposer
 
     proposer = DraftProposer(pair.draft, pair.vocab_size, pair.draft.vocab_ids)
     logits = torch.randn(3, len(pair.draft.vocab_ids), generator=torch.Generator().manual_seed(0))

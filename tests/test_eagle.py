@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 from test_speculation import RandomK
 
 from batchspec import SamplingParams, SpecDecoder, tiny_pair
-from batchspec.eagle import EAGLE_FILE, Features, load_head, shifted
-from batchspec.errors import BatchspecError
-from batchspec.invariants import InvariantError
+from batchspec.core.errors import BatchspecError
+from batchspec.engine.invariants import InvariantError
+from batchspec.models.eagle import EAGLE_FILE, load_head
+from batchspec.models.forward import shifted
+from batchspec.proposers.features import Features
 
 METHODS = ("spec1", "eqspec", "exspec", "ragged")
 
@@ -45,7 +47,7 @@ def test_head_equals_reference(one_layer, seed, n, batch, k, method):
 @pytest.fixture(scope="module")
 def fused():
     """The 1-layer tiny pair with a head that also reads layer 0's output (fused features)."""
-    from batchspec.tiny import tiny_head
+    from batchspec.models.tiny import tiny_head
 
     pair = tiny_pair(layers=1, dtype=torch.float64)
     pair.head = tiny_head(pair.target, aux_layers=(0,), feature_mix=0.05)
@@ -72,7 +74,7 @@ def test_fused_head_equals_reference(fused, seed, batch, k, method, proposer, br
 def test_fused_features_are_read(fused, monkeypatch):
     """The aux blocks matter: a store that zeroes them changes the head's cache (caught), and the
     features carry the final hidden state first, then layer 0's output with unit RMS."""
-    from batchspec.eagle import reference_features
+    from batchspec.models.forward import reference_features
 
     ids = torch.tensor([[5, 9, 17, 2]])
     feats = reference_features(fused.target, ids, fused.head.aux)
@@ -142,7 +144,7 @@ def test_checker_sees_a_head_fed_the_wrong_features(one_layer, monkeypatch):
 
 def test_checker_sees_drafted_entries_kept(one_layer, monkeypatch):
     """Without the rewind, entries computed from predicted features stay cached: caught."""
-    from batchspec.ragged import RaggedBatch
+    from batchspec.layouts.ragged import RaggedBatch
 
     monkeypatch.setattr(RaggedBatch, "rewind", lambda self, role, mark: None)
     with pytest.raises(InvariantError, match="draft row"):
@@ -167,7 +169,7 @@ def test_shifted():
 
 
 def test_save_and_load_keep_the_head(one_layer, tmp_path):
-    from batchspec.eagle import save_head
+    from batchspec.models.eagle import save_head
 
     head = one_layer.head
     path = str(tmp_path / "head.safetensors")
@@ -184,7 +186,7 @@ def test_save_and_load_keep_the_head(one_layer, tmp_path):
 
 
 def test_save_and_load_keep_a_fused_head(fused, tmp_path):
-    from batchspec.eagle import save_head
+    from batchspec.models.eagle import save_head
 
     path = str(tmp_path / "fused.safetensors")
     save_head(fused.head, {"note": "test"}, path)

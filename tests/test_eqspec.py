@@ -9,9 +9,9 @@ from helpers import decode, random_prompts, reference_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import batchspec.batch
+import batchspec.layouts.padded
 from batchspec import SamplingParams, SpecDecoder, tiny_pair
-from batchspec.invariants import InvariantError
+from batchspec.engine.invariants import InvariantError
 
 
 @given(
@@ -98,7 +98,7 @@ def _padded_column_positions(pad_left, start, q):
 def test_broken_positions_are_caught(tiny64, monkeypatch):
     prompts = random_prompts(28, 8, 1, 64)
     expected = reference_tokens(tiny64, prompts, 40)
-    monkeypatch.setattr(batchspec.batch, "column_positions", _padded_column_positions)
+    monkeypatch.setattr(batchspec.layouts.padded, "column_positions", _padded_column_positions)
     got = decode(tiny64, prompts, 40, method="eqspec", batch_size=8, k=4)
     assert got != expected, "the equivalence test must fail on positions taken from the padded column"
     with pytest.raises(InvariantError, match="positions skip or repeat|differ from a fresh prefill"):
@@ -109,19 +109,19 @@ def test_skipped_kv_shift_is_caught(tiny64, monkeypatch):
     """Cropping the caches instead of shifting each row's entries leaves rows misaligned."""
     prompts = random_prompts(29, 8, 1, 64)
     expected = reference_tokens(tiny64, prompts, 40)
-    gather = batchspec.batch.kv.gather
+    gather = batchspec.layouts.padded.kv.gather
 
     def crop_only(cache, rows, index, full_batch):  # the bug: keep the first columns, shift nothing
         gather(cache, rows, torch.arange(index.shape[1]).expand_as(index), full_batch)
 
-    monkeypatch.setattr(batchspec.batch.kv, "gather", crop_only)
+    monkeypatch.setattr(batchspec.layouts.padded.kv, "gather", crop_only)
     assert decode(tiny64, prompts, 40, method="eqspec", batch_size=8, k=4) != expected
     with pytest.raises(InvariantError):
         decode(tiny64, prompts, 40, method="eqspec", batch_size=8, k=4, check_invariants=True)
 
 
 def test_length_buckets_bound_padding():
-    from batchspec.static import length_buckets
+    from batchspec.layouts.buckets import length_buckets
 
     assert length_buckets([]) == []
     assert length_buckets([7]) == [1]
@@ -139,7 +139,7 @@ def test_length_buckets_bound_padding():
 
 @pytest.mark.parametrize("method", ["ar", "eqspec"])
 def test_bucketed_prefill_equals_reference(tiny64, method):
-    from batchspec.static import length_buckets
+    from batchspec.layouts.buckets import length_buckets
 
     prompts = random_prompts(32, 7, 2, 12) + random_prompts(33, 2, 150, 200)  # two long prompts pad the rest
     assert len(length_buckets(sorted(map(len, prompts)))) > 1
@@ -152,7 +152,7 @@ def test_bucketed_prefill_equals_reference(tiny64, method):
 def test_realign_plan_truncates_exactly_when_the_gather_keeps_columns(data):
     """A role whose plan is a truncation (no index) would get, from the general gather, its first
     `width` columns unchanged; the plan truncates exactly when every row grew by the same amount."""
-    from batchspec import realign
+    from batchspec.layouts import realign
 
     b = data.draw(st.integers(1, 4))
     lengths = torch.tensor(data.draw(st.lists(st.integers(1, 12), min_size=b, max_size=b)))

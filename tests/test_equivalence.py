@@ -10,7 +10,7 @@ from helpers import random_prompts
 
 from batchspec import SamplingParams, SpecDecoder, tiny_pair
 from batchspec.cli import main
-from batchspec.equivalence import classify, first_divergence, tolerance, verify
+from batchspec.tools.equivalence import classify, first_divergence, tolerance, verify
 
 
 def test_first_divergence():

@@ -6,9 +6,10 @@ import warnings
 
 import pytest
 
-from batchspec import BatchspecError, EngineConfig, SamplingParams, SpecDecoder, models, tiny_pair
+from batchspec import BatchspecError, EngineConfig, SamplingParams, SpecDecoder, tiny_pair
 from batchspec.cli import main
-from batchspec.models import check_vocab, load_pair
+from batchspec.models import pair as models
+from batchspec.models.pair import check_vocab, load_pair
 
 
 def test_vocab_mismatch_is_refused():
@@ -91,7 +92,7 @@ def test_unknown_pair_and_missing_files():
 
 
 def test_unreachable_hub_is_explained(monkeypatch):
-    monkeypatch.setattr("batchspec.models.hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr("batchspec.models.pair.hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(BatchspecError, match="from the Hugging Face hub.*the hub is unreachable from this machine"):
         load_pair(target="someone/no-such-model")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -8,7 +8,8 @@ from helpers import decode, random_prompts, reference_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchspec import SamplingParams, SpecDecoder, kv
+from batchspec import SamplingParams, SpecDecoder
+from batchspec.cache import kv
 
 
 @given(

@@ -1,4 +1,4 @@
-"""scripts/linear_forms.py end to end on the tiny pair: one row per shape, both arms timed; the
+"""experiments/linear_forms.py end to end on the tiny pair: one row per shape, both arms timed; the
 sweep mode times every formulation per row count."""
 
 from __future__ import annotations

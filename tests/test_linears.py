@@ -14,8 +14,19 @@ from helpers import ROOT, random_prompts, reference_tokens
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchspec import SamplingParams, SpecDecoder, linears, tiny_pair
-from batchspec.linears import FORMS, LARGE, TUNE_MAX, FormTable, TunedLinear, bucket, prepare, project, tune_linears
+from batchspec import SamplingParams, SpecDecoder, tiny_pair
+from batchspec.models import linears
+from batchspec.models.linears import (
+    FORMS,
+    LARGE,
+    TUNE_MAX,
+    FormTable,
+    TunedLinear,
+    bucket,
+    prepare,
+    project,
+    tune_linears,
+)
 
 ONEDNN = torch.backends.mkldnn.is_available()
 needs_onednn = pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN")

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchspec import SamplingParams, SpecDecoder, tiny_pair
-from batchspec.errors import BatchspecError
-from batchspec.logprobs import TokenLogprob, entries, log_distribution
+from batchspec.core.errors import BatchspecError
+from batchspec.core.logprobs import TokenLogprob, entries, log_distribution
 
 # float64: a batched forward differs from the one-token reference by ~1e-15 in the logits.
 TOLERANCE = 1e-9

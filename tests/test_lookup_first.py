@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from test_speculation import RandomK
 
 from batchspec import SamplingParams, SpecDecoder, tiny_pair
-from batchspec.errors import BatchspecError
-from batchspec.proposer import LookupFirst
+from batchspec.core.errors import BatchspecError
+from batchspec.proposers.lookup_first import LookupFirst
 
 METHODS = ("spec1", "eqspec", "exspec", "ragged")
 PROPOSERS = ("ngram+eagle", "ngram+draft")

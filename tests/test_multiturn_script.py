@@ -1,4 +1,4 @@
-"""scripts/multiturn.py end to end on the tiny pair, briefly: two real servers (without and with
+"""experiments/multiturn.py end to end on the tiny pair, briefly: two real servers (without and with
 the prefix cache) answer the same chats; the cached one reuses the history's tokens."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchspec import SamplingParams, SpecDecoder
-from batchspec.proposer import NgramIndex, lookup, lookup_match
+from batchspec.proposers.ngram import NgramIndex, lookup, lookup_match
 
 
 def test_match_found_takes_the_longest_suffix_first():

@@ -12,12 +12,12 @@ import torch
 from helpers import random_prompts, reference_tokens
 
 from batchspec import SamplingParams, SpecDecoder
-from batchspec.detok import Detokenizer, TextOutput, find_stop
-from batchspec.loop import Loop
-from batchspec.online import Chunk, OnlineEngine, Request
-from batchspec.ragged import RaggedBatch
-from batchspec.sampling import RowParams, probabilities
-from batchspec.step import Context
+from batchspec.core.detok import Detokenizer, TextOutput, find_stop
+from batchspec.core.sampling import RowParams, probabilities
+from batchspec.engine.loop import Loop
+from batchspec.engine.online import Chunk, OnlineEngine, Request
+from batchspec.engine.step import Context
+from batchspec.layouts.ragged import RaggedBatch
 
 MIXED = [
     SamplingParams(max_new_tokens=20),
@@ -160,7 +160,7 @@ def test_a_failed_step_fails_its_rows_and_the_rebuilt_batch_serves_on(tiny64, mo
     """A fault injected into the third decode step: the two running rows end with "error", the
     request still waiting keeps its place, the batch is rebuilt with empty caches, and what runs
     after it (the waiting request, and one submitted later) equals the reference."""
-    from batchspec import loop as loop_module
+    from batchspec.engine import loop as loop_module
 
     calls = {"n": 0}
     real_step = loop_module.decode_step

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec import SamplingParams, SpecDecoder
-from batchspec.prefixes import BLOCK, PrefixCache, would_reuse
-from batchspec.sequence import Sequence
+from batchspec.cache.prefixes import BLOCK, PrefixCache, would_reuse
+from batchspec.core.sequence import Sequence
 
 
 def _entries(n: int, value: float = 1.0):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from batchspec.prompts import by_category
+from batchspec.tools.prompts import by_category
 
 
 def test_by_category_keeps_file_order_and_caps_each(tmp_path):

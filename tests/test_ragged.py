@@ -51,7 +51,7 @@ def test_decoding_never_realigns(tiny64, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("ragged must not realign a cache")
 
-    monkeypatch.setattr("batchspec.kv.gather", forbidden)
+    monkeypatch.setattr("batchspec.cache.kv.gather", forbidden)
     prompts = random_prompts(60, 16, 1, 64)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)  # no row finishes at prefill
     dec = SpecDecoder(tiny64, method="ragged", batch_size=5, k=4)
@@ -135,7 +135,7 @@ def test_slot_writes_copy_every_bit(dtype):
     """The slot cache's writes (16-bit floats through an int16 view): each row's new entries land
     at its slots with their exact bits (NaN, infinities, -0.0 included), the rest untouched, and
     the values equal a float scatter's."""
-    from batchspec.kv import _write
+    from batchspec.cache.kv import _write
 
     gen = torch.Generator().manual_seed(0)
     slab = torch.randn(3, 2, 16, 4, generator=gen).to(dtype)

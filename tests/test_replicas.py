@@ -152,9 +152,9 @@ def test_serve_config_builder_sets_serve_options():
 def test_health_names_the_replica_and_fails_on_a_stalled_or_dead_engine(monkeypatch):
     from fastapi.testclient import TestClient
 
-    from batchspec import server
+    from batchspec.serving import server
 
-    service = server.build_service(cli.build_parser().parse_args(["serve", "--pair", "tiny"]))
+    service = server.build_service(cli.serve_config(cli.build_parser().parse_args(["serve", "--pair", "tiny"])))
     with TestClient(server.create_app(service, replica="r7")) as client:
         up = client.get("/health")
         assert (up.status_code, up.headers[HEADER], up.json()["replica"]) == (200, "r7", "r7")

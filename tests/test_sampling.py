@@ -9,9 +9,9 @@ import torch
 from helpers import random_prompts
 from test_acceptance import _chi2, chi2_critical
 
-import batchspec.sampling
+import batchspec.core.sampling
 from batchspec import SamplingParams, SpecDecoder, tiny_pair
-from batchspec.sampling import probabilities
+from batchspec.core.sampling import probabilities
 
 
 def _sample(pair, prompts, method, batch, seeds, params, k=3, proposer=None):
@@ -81,8 +81,8 @@ def test_first_two_tokens_follow_the_target(small_vocab_pair, params):
 
 
 def test_noise_not_keyed_by_position_fails_the_joint_test(small_vocab_pair, monkeypatch):
-    original = batchspec.sampling.gumbel
-    monkeypatch.setattr(batchspec.sampling, "gumbel", lambda seed, position, vocab: original(seed, 0, vocab))
+    original = batchspec.core.sampling.gumbel
+    monkeypatch.setattr(batchspec.core.sampling, "gumbel", lambda seed, position, vocab: original(seed, 0, vocab))
     params = SamplingParams(temperature=1.0, max_new_tokens=2)
     prompt, trials = [1, 5, 2, 6], 6000
     exact = _exact_joint(small_vocab_pair, prompt, params)
@@ -94,7 +94,7 @@ def test_noise_not_keyed_by_position_fails_the_joint_test(small_vocab_pair, monk
 def test_greedy_is_the_argmax_in_the_logits_own_dtype(dtype):
     """`sampling.greedy` finds the argmax in float32; the index is the one found in `dtype`, ties
     (frequent in bfloat16) resolved to the first as well."""
-    from batchspec.sampling import greedy
+    from batchspec.core.sampling import greedy
 
     logits = (torch.randn(6, 3, 500, generator=torch.Generator().manual_seed(1)) * 4).round().to(dtype)
     assert int((logits == logits.max(dim=-1, keepdim=True).values).sum(-1).max()) > 1  # ties present

@@ -7,7 +7,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchspec.scheduler import Scheduler
+from batchspec.runners.scheduler import Scheduler
 
 
 def simulate(prompt_lengths, batch, window, min_group, k, max_new, seed):

@@ -21,9 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_server import SRC, Server, reference_tokens_64
 
-from batchspec import access, cli
-from batchspec.errors import BatchspecError
-from batchspec.openai_api import MAX_MESSAGES, MAX_STOP_CHARS
+from batchspec import cli
+from batchspec.core.errors import BatchspecError
+from batchspec.serving import access
+from batchspec.serving.openai_api import MAX_MESSAGES, MAX_STOP_CHARS
 
 KEYS = ("sk-flag-3f9a0c", "sk-file-71c2d8", "sk-env-b7e04f")  # --api-key, --api-key-file, environment
 WRONG = "sk-wrong-5d1e9b"
@@ -426,10 +427,10 @@ def test_require_api_key_refuses_to_start_without_one():
 
 
 def test_a_public_host_without_a_key_warns_at_start_up(monkeypatch, capsys):
-    from batchspec import server
+    from batchspec.serving import server
 
     monkeypatch.delenv(access.ENV_KEY, raising=False)
-    monkeypatch.setattr(server, "run_cli", lambda args: 0)  # nothing is bound
+    monkeypatch.setattr(server, "run_cli", lambda config: 0)  # nothing is bound
     assert cli.main(["serve", "--pair", "tiny", "--host", "0.0.0.0", "--port", "1"]) == 0
     warning = capsys.readouterr().err
     assert warning.count("\n") == 1 and "warning: serving on 0.0.0.0 without an API key" in warning
@@ -505,11 +506,10 @@ def test_the_replica_app_checks_keys_the_same_way():
     options: the keys reach it and it refuses without one, naming the replica."""
     from fastapi.testclient import TestClient
 
-    from batchspec import server
+    from batchspec.serving import server
 
     args = cli.build_parser().parse_args(["serve", "--pair", "tiny", "--api-key", KEYS[0], "--metrics-auth"])
-    cli.check_serve_options(args)
-    service = server.build_service(args)
+    service = server.build_service(cli.serve_config(args))
     with TestClient(server.create_app(service, replica="r7")) as client:
         refused = client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
         assert (refused.status_code, refused.headers["x-batchspec-replica"]) == (401, "r7")

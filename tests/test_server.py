@@ -455,14 +455,29 @@ def test_a_draft_tree_served_concurrently_equals_reference():
         assert srv.stop() == 0
 
 
+def test_a_draft_tree_server_with_a_kv_budget_starts_and_answers_exactly():
+    """`serve --proposer eagle --branches 4x2x1 --kv-budget 8192`, the draft-slot count taken from
+    one place (tree.columns), in a real process: it starts and its greedy answer is the target's."""
+    srv = Server("--proposer", "eagle", "--branches", "4x2x1", "--kv-budget", "8192", "-k", "3", "--batch-size", "2")
+    try:
+        prompt = random_prompts(5, 1)[0]
+        out = _complete(srv, prompt, max_tokens=12, temperature=0)
+        assert _ids(out) == reference_tokens_64(prompt, 12)
+    finally:
+        assert srv.stop() == 0
+
+
 def test_the_kv_budget_check_counts_a_trees_nodes_per_depth():
     """`--branches 3x2x1 -k 3`: a step writes 3 + 2 + 1 draft slots per row, so a budget must
     hold 6 + 2 tokens (the check once multiplied k by the tuple of widths)."""
-    from batchspec import cli, server
+    from batchspec import cli
+    from batchspec.serving import server
 
     def build(budget):
         argv = ["serve", "--pair", "tiny", "-k", "3", "--proposer", "eagle", "--branches", "3x2x1"]
-        return server.build_service(cli.build_parser().parse_args([*argv, "--kv-budget", str(budget)]))
+        return server.build_service(
+            cli.serve_config(cli.build_parser().parse_args([*argv, "--kv-budget", str(budget)]))
+        )
 
     with pytest.raises(BatchspecError, match="room for a prompt token and 7 draft slots"):
         build(7)

@@ -15,16 +15,18 @@ from helpers import random_prompts, reference_tokens
 from hypothesis import given
 from hypothesis import strategies as st
 
-import batchspec.speculation as speculation
+import batchspec.policy.speculation as speculation
 from batchspec import SamplingParams, SpecDecoder
-from batchspec.costmodel import StepCost, features
-from batchspec.proposer import NgramProposer, Proposal
-from batchspec.speculation import Adaptive, Speculation
+from batchspec.layouts.base import Layout
+from batchspec.policy.costmodel import StepCost, features
+from batchspec.policy.speculation import Adaptive, Speculation
+from batchspec.proposers.base import Proposal
+from batchspec.proposers.ngram import NgramProposer
 
 METHODS = ("spec1", "eqspec", "exspec", "ragged")
 
 
-class RandomK:
+class RandomK(Speculation):
     """A policy that asks for, stops at and verifies random numbers of drafts (seeded)."""
 
     def __init__(self, seed: int, k_max: int = 5, lazy: bool = False):
@@ -239,18 +241,18 @@ def test_choice_follows_the_acceptance_estimates(tiny64):
     without a lookup match none."""
     policy = _adaptive(tiny64, NgramProposer(tiny64.vocab_size), _costs(per_token=0.002, fixed=0.01))
 
-    class Batch:
+    class Batch(Layout):
         seqs = [type("S", (), {"__len__": lambda self: 50})() for _ in range(4)]
 
     drafts = torch.zeros(4, 6, dtype=torch.long)
     likely = Proposal(drafts, torch.tensor([6, 6, 6, 6]), torch.full((4, 6), 3))
     policy.table[3] = 0.95
-    assert policy.choose(Batch, likely, started=time.perf_counter()) == 6
+    assert policy.choose(Batch(), likely, started=time.perf_counter()) == 6
     none = Proposal(drafts, torch.tensor([0, 0, 0, 0]), torch.zeros(4, 6, dtype=torch.long))
-    assert policy.choose(Batch, none, started=time.perf_counter()) == 0
+    assert policy.choose(Batch(), none, started=time.perf_counter()) == 0
     policy.table[1] = 0.05
     unlikely = Proposal(drafts, torch.tensor([6, 6, 6, 6]), torch.full((4, 6), 1))
-    assert policy.choose(Batch, unlikely, started=time.perf_counter()) == 0
+    assert policy.choose(Batch(), unlikely, started=time.perf_counter()) == 0
 
 
 def test_never_verifies_a_column_no_row_drafted(tiny64):
@@ -261,13 +263,13 @@ def test_never_verifies_a_column_no_row_drafted(tiny64):
     policy = _adaptive(tiny64, NgramProposer(tiny64.vocab_size), cheaper_wide)
     policy.table[:] = 0.9
 
-    class Batch:
+    class Batch(Layout):
         seqs = [type("S", (), {"__len__": lambda self: 50})() for _ in range(2)]
 
     drafts, signal = torch.zeros(2, 6, dtype=torch.long), torch.full((2, 6), 3)
-    assert policy.choose(Batch, Proposal(drafts, torch.tensor([2, 1]), signal), time.perf_counter()) == 2
-    assert policy.choose(Batch, Proposal(drafts, torch.tensor([0, 0]), signal), time.perf_counter()) == 0
-    assert policy.choose(Batch, Proposal(drafts, None, signal), time.perf_counter()) == 6
+    assert policy.choose(Batch(), Proposal(drafts, torch.tensor([2, 1]), signal), time.perf_counter()) == 2
+    assert policy.choose(Batch(), Proposal(drafts, torch.tensor([0, 0]), signal), time.perf_counter()) == 0
+    assert policy.choose(Batch(), Proposal(drafts, None, signal), time.perf_counter()) == 6
 
 
 def test_cost_fit_recovers_each_widths_cost():
@@ -324,7 +326,7 @@ def test_a_cost_without_probes_is_fitted_on_the_steps():
 def test_proposer_cost_learns_per_model_forward(tiny64):
     """A model proposer's cost is learned per forward: a proposal that says it took none (a
     combined proposer's lookup-only step) teaches nothing; one that took one per draft does."""
-    policy = Adaptive(tiny64.target, SimpleNamespace(model=tiny64.draft, bins=2), capacity=4)
+    policy = Adaptive(tiny64.target, SimpleNamespace(model=tiny64.draft, bins=2, branches=1), capacity=4)
     learned = []
     policy.prop_cost.observe = lambda rows, q, span, seconds: learned.append(seconds)
     drafts = torch.zeros(2, 3, dtype=torch.long)

@@ -9,32 +9,84 @@ import pathlib
 import pytest
 import torch
 
-from batchspec import BatchspecError, EngineConfig, cli, kv, methods
-from batchspec.baselines import BSPBatch, DSDBatch
-from batchspec.batch import PaddedBatch
-from batchspec.proposer import DraftProposer, NgramProposer, Proposer
-from batchspec.ragged import RaggedBatch
-from batchspec.sequence import Sequence
-from batchspec.step import Layout
+from batchspec import BatchspecError, EngineConfig, cli
+from batchspec.cache import kv
+from batchspec.core import methods
+from batchspec.core.sequence import Sequence
+from batchspec.layouts.base import Layout
+from batchspec.layouts.padded import PaddedBatch
+from batchspec.layouts.ragged import RaggedBatch
+from batchspec.proposers.base import Proposer
+from batchspec.proposers.draft import DraftProposer
+from batchspec.proposers.ngram import NgramProposer
+from batchspec.runners.baselines import BSPBatch, DSDBatch
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "src" / "batchspec"
 
+#: The layers, bottom to top: a module imports only from its own layer or from one below it.
+#: (Equal ranks are siblings that must not import each other.)
+LAYERS = {
+    "core": 0,
+    "distributed": 1,
+    "cache": 2,
+    "models": 3,
+    "layouts": 4,
+    "proposers": 5,
+    "policy": 6,
+    "engine": 7,
+    "runners": 8,
+    "decoder": 9,
+    "serving": 10,
+    "tools": 10,
+    "cli": 11,
+    "replicas": 12,
+    "__init__": 13,
+}
 
-def _module_level_imports(path: pathlib.Path) -> set[str]:
-    """Package modules imported when `path` is imported: top-level `from . import x` and
-    `from .x import y`, not those inside functions or `if TYPE_CHECKING:`."""
+
+def _name(path: pathlib.Path) -> str:
+    """batchspec.x.y for src/batchspec/x/y.py (a package: its folder's name)."""
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Every package module `path` imports, wherever the import is written: at module level,
+    inside functions, under `if TYPE_CHECKING:`; `from . import x` counts as importing x."""
+    me = _name(path)
+    here = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
     found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                found.add(node.module.split(".")[0])
-            else:
-                found.update(alias.name for alias in node.names)
-    return found & {p.stem for p in PACKAGE.glob("*.py")}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = (
+                node.module if node.level == 0 else ".".join(here[: len(here) - node.level + 1] + [node.module or ""])
+            )
+            base = base.rstrip(".")
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m in MODULES and m != me}
 
 
-def test_no_import_cycles():
-    graph = {p.stem: _module_level_imports(p) for p in PACKAGE.glob("*.py")}
+GRAPH = {name: _imports(path) for name, path in MODULES.items()}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def test_the_import_graph_finds_deferred_and_type_checking_imports():
+    assert "batchspec.serving.replicas" in GRAPH["batchspec.cli"]  # imported inside a function
+    assert "batchspec.layouts.base" in GRAPH["batchspec.proposers.base"]
+    assert "batchspec.core.config" in GRAPH["batchspec.core.sampling"]
+
+
+def test_no_import_cycle_of_any_kind():
     state: dict[str, str] = {}
 
     def visit(module: str, path: list[str]) -> None:
@@ -42,13 +94,25 @@ def test_no_import_cycles():
             return
         assert state.get(module) != "open", "import cycle: " + " -> ".join(path + [module])
         state[module] = "open"
-        for dep in sorted(graph[module]):
+        for dep in sorted(GRAPH[module]):
             visit(dep, path + [module])
         state[module] = "done"
 
-    for module in sorted(graph):
+    for module in sorted(GRAPH):
         visit(module, [])
-    assert graph["methods"] <= {"errors"}  # the table imports no runner: everyone may import it
+
+
+def test_every_import_points_down_the_layers():
+    assert {_layer(m) for m in MODULES} == set(LAYERS), "a folder or root module the layer table does not name"
+    upward = [
+        f"{module} -> {dep}"
+        for module, deps in GRAPH.items()
+        for dep in deps
+        if _layer(dep) != _layer(module) and LAYERS[_layer(dep)] >= LAYERS[_layer(module)]
+    ]
+    assert not upward, "imports that do not point down: " + ", ".join(sorted(upward))
+    assert GRAPH["batchspec.core.methods"] <= {"batchspec.core.errors"}  # the table: everyone may import it
+    assert not any(m.startswith("batchspec.serving") for m in GRAPH["batchspec.engine.online"])  # no HTTP
 
 
 def test_every_method_has_a_runner_and_the_cli_lists_the_table():

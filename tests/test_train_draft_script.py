@@ -1,6 +1,6 @@
 """Smoke test of scripts/train_draft on the built-in tiny pair: prompts -> target answers -> reduced
 vocabulary -> distillation -> saved weights -> Spec-Bench-style measurement, in a few seconds and
-offline. The saved weights must load with batchspec.draft and give logits over the reduced head."""
+offline. The saved weights must load with batchspec.models.draft and give logits over the reduced head."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from helpers import run_script
 from safetensors.torch import load_file
 
-from batchspec.draft import load_default_draft
-from batchspec.models import load_pair
+from batchspec.models.draft import load_default_draft
+from batchspec.models.pair import load_pair
 
 VOCAB = 48
 
@@ -50,9 +50,9 @@ def test_train_draft_tiny_end_to_end(tmp_path):
 
 def test_train_eagle_tiny_end_to_end(tmp_path):
     """scripts/train_eagle.py on the tiny pair (the second-step loss on): saved weights that load
-    with batchspec.eagle and draft exactly in the engine."""
+    with batchspec.models.eagle and draft exactly in the engine."""
     from batchspec import SamplingParams, SpecDecoder
-    from batchspec.eagle import load_head
+    from batchspec.models.eagle import load_head
 
     out = tmp_path / "head.safetensors"
     args = ["--pair", "tiny", "--data", str(tmp_path / "data.pt"), "--out", str(out), "--prompt-scale", "0.01"]

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from test_speculation import RandomK
 
 from batchspec import SamplingParams, SpecDecoder, tiny_pair
-from batchspec.batch import PaddedBatch
-from batchspec.errors import BatchspecError
-from batchspec.invariants import InvariantError
-from batchspec.ragged import RaggedBatch
-from batchspec.tree import Tree, accept, columns, depth_widths, restrict
+from batchspec.core.errors import BatchspecError
+from batchspec.core.tree import Tree, accept, columns, depth_widths, restrict
+from batchspec.engine.invariants import InvariantError
+from batchspec.layouts.padded import PaddedBatch
+from batchspec.layouts.ragged import RaggedBatch
 
 METHODS = ("spec1", "eqspec", "exspec", "ragged")
 
@@ -275,7 +275,7 @@ def test_tree_drafting_equals_one_path_at_a_time(tiny64, monkeypatch, proposer, 
     the lookup chain) is the beam recomputed by feeding each node's path as a plain chain, and every tree
     forward's logits are those of each node's own chain: its masks and positions are right in
     every layout."""
-    from batchspec.proposer import DraftProposer
+    from batchspec.proposers.draft import DraftProposer
 
     original, checked = DraftProposer._propose_tree, []
 

@@ -1,4 +1,4 @@
-"""scripts/tree_shapes.py end to end on the tiny pair: the offline count of the full beam equals
+"""experiments/tree_shapes.py end to end on the tiny pair: the offline count of the full beam equals
 what the decoder measured, and a larger column budget never yields less."""
 
 from __future__ import annotations

@@ -10,8 +10,10 @@ import json
 import os
 import sys
 
-from batchspec import SamplingParams, SpecDecoder, methods, tp
-from batchspec.models import load_pair
+from batchspec import SamplingParams, SpecDecoder
+from batchspec.core import methods
+from batchspec.distributed import tp
+from batchspec.models.pair import load_pair
 
 RUNS = {
     "greedy": SamplingParams(max_new_tokens=24),

@@ -40,8 +40,8 @@ import measure
 import pipeline
 import torch
 
-from batchspec.draft import DRAFT_FILE
-from batchspec.models import cpu_has_bf16
+from batchspec.models.draft import DRAFT_FILE
+from batchspec.models.pair import cpu_has_bf16
 
 LOG = logging.getLogger("train_draft")
 

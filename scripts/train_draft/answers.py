@@ -18,10 +18,10 @@ import time
 import corpus
 import torch
 
-from batchspec import kv
-from batchspec.batch import column_positions, padded_ids, padding_mask
-from batchspec.models import ModelPair, load_pair
-from batchspec.sequence import Sequence
+from batchspec.cache import kv
+from batchspec.core.sequence import Sequence
+from batchspec.layouts.padded import column_positions, padded_ids, padding_mask
+from batchspec.models.pair import ModelPair, load_pair
 
 LOG = logging.getLogger("train_draft")
 MIN_PASSAGE_CHARS = 200  # shorter passages are dropped (unless none is longer)

@@ -1,4 +1,4 @@
-"""Distillation: a `SmolDraft` (batchspec.draft) learns the target's next-token distribution over
+"""Distillation: a `SmolDraft` (batchspec.models.draft) learns the target's next-token distribution over
 the reduced vocabulary, from the cached records (answers.py).
 
 Loss = KL(target || draft) over the V_r kept ids + ce_weight x CE on the target's (reduced)
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import validate
 
-from batchspec.draft import SmolDraft, draft_config
+from batchspec.models.draft import SmolDraft, draft_config
 
 LOG = logging.getLogger("train_draft")
 

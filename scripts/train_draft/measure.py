@@ -10,10 +10,10 @@ import statistics
 import torch
 
 from batchspec import SamplingParams, SpecDecoder
-from batchspec.costs import forward_seconds
-from batchspec.draft import load_default_draft
-from batchspec.models import load_pair
-from batchspec.prompts import by_category
+from batchspec.models.draft import load_default_draft
+from batchspec.models.pair import load_pair
+from batchspec.tools.costs import forward_seconds
+from batchspec.tools.prompts import by_category
 
 LOG = logging.getLogger("train_draft")
 

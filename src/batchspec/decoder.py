@@ -1,0 +1,146 @@
+"""`SpecDecoder`: the public entry point. It turns prompts into `Sequence`s, runs one method over
+them, and returns outputs in input order, with run statistics in `.stats`.
+
+Which methods exist, and the runner of each, is `methods.METHODS`.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+from tqdm.auto import tqdm
+
+from .core import diskcache, methods
+from .core.config import EngineConfig, SamplingParams
+from .core.detok import StopStrings
+from .core.errors import BatchspecError
+from .core.sequence import GenerationOutput, Sequence
+from .core.stats import Stats
+from .distributed import tp
+from .engine.step import Context
+from .models.pair import ModelPair, load_pair
+from .policy.speculation import make_speculation
+from .proposers.make import make_proposer
+
+
+class SpecDecoder:
+    """Batched speculative decoding over a target/draft pair.
+
+    >>> dec = SpecDecoder.from_pretrained(pair="tiny", method="exspec", k=4, batch_size=8)
+    >>> outs = dec.generate(["Why is the sky blue?"], SamplingParams(max_new_tokens=16))
+    >>> outs[0].token_ids, dec.stats.summary()["tokens_per_s"]
+    """
+
+    def __init__(self, pair: ModelPair, config: EngineConfig | None = None, **config_kw):
+        self.pair = pair
+        self.config = config if config is not None else EngineConfig(**config_kw)
+        if config is not None and config_kw:
+            raise BatchspecError("give either an EngineConfig or keyword options, not both")
+        self.proposer, self.proposer_name = make_proposer(pair, self.config)
+        self.stats = Stats(device=str(pair.device))
+        self.speculation = None  # built on first use: `auto` probes the machine's costs
+        self.startup = dict(pair.startup)  # load_s, weights; tuning_s, tuning once measured
+
+    @classmethod
+    def from_pretrained(cls, pair=None, target=None, draft=None, dtype="float32", device=None, **config_kw):
+        """Load a pair (see `models.load_pair`) and build a decoder; keywords go to EngineConfig."""
+        config = EngineConfig(**config_kw)  # validate before the (slow) load
+        return cls(load_pair(pair=pair, target=target, draft=draft, dtype=dtype, device=device), config)
+
+    def make_sequences(
+        self, prompts: list, params: SamplingParams | list[SamplingParams], chat_template: bool = True
+    ) -> list[Sequence]:
+        """Validate and encode prompts; one Sequence each, in input order."""
+        if isinstance(prompts, (str, bytes)):
+            prompts = [prompts]
+        if not prompts:
+            raise BatchspecError("no prompts given")
+        per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise BatchspecError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        seqs = []
+        context = self.pair.context_len
+        for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+            ids = self.pair.encode(prompt, chat_template)
+            if len(ids) >= context:
+                raise BatchspecError(
+                    f"prompt {i} has {len(ids)} tokens, which leaves no room in the model's context of {context} tokens"
+                )
+            seqs.append(Sequence.request(i, ids, p, context, self.pair.eos_ids))
+        return seqs
+
+    def generate(
+        self,
+        prompts: list,
+        params: SamplingParams | list[SamplingParams] | None = None,
+        chat_template: bool = True,
+    ) -> list[GenerationOutput]:
+        """Decode every prompt (text, or a list of token ids); outputs come back in input order."""
+        params = params if params is not None else SamplingParams()
+        seqs = self.make_sequences(prompts, params, chat_template)
+        texts = StopStrings(self.pair.decode, seqs)
+        self.run(seqs, observe=texts.observe if texts.active else None)
+        return [self._output(seq, prompts[seq.index], texts.text(seq)) for seq in seqs]
+
+    def run(self, seqs: list[Sequence], observe=None) -> Stats:
+        """Run the configured method over prepared sequences (in place), each with its own
+        SamplingParams; `observe` is the output processor (step.Context). Returns the stats."""
+        cfg = self.config
+        tp.sync_seeds(seqs)  # tensor-parallel ranks sample alike (no-op in one process)
+        self.stats = Stats(device=str(self.pair.device))
+        bar = tqdm(total=len(seqs), desc=cfg.method, unit="seq", disable=not cfg.progress, leave=False)
+        ctx = Context.of(
+            self.pair,
+            self.proposer,
+            cfg.k_max,
+            self._speculation(),
+            stats=self.stats,
+            on_finish=lambda done: bar.update(len(done)),
+            observe=observe,
+        )
+        if cfg.check_invariants:
+            from .engine.invariants import check_batch
+
+            ctx.check = partial(check_batch, models=ctx.models())
+        runner = methods.get(cfg.method).run()
+        with torch.inference_mode(), self.stats.run():
+            runner(ctx, seqs, cfg)
+        bar.close()
+        self.stats.extra["startup"] = dict(self.startup)
+        if (described := ctx.speculation.describe()) is not None:  # what `auto` measured and learned
+            self.stats.extra["speculation"] = described
+        unfinished = [s.index for s in seqs if not s.finished]
+        assert not unfinished, f"method {cfg.method} left sequences unfinished: {unfinished}"
+        return self.stats
+
+    def prepare(self, plain: bool = False) -> None:
+        """Take now the measurements the first run would take (or find them in the cache); `plain`:
+        for plain decoding only (the target's linear layers, no policy)."""
+        if not plain and self.speculation is not None:
+            return  # prepared already
+        started, before = time.perf_counter(), diskcache.tally.copy()
+        if plain:
+            make_speculation(self.config, self.pair.target, None)
+        else:
+            self.speculation = make_speculation(self.config, self.pair.target, self.proposer)
+        self.startup |= {"tuning_s": round(time.perf_counter() - started, 3), "tuning": diskcache.tuning(before)}
+
+    def _speculation(self):
+        """The speculation policy, kept across runs (what `auto` learned carries over)."""
+        if self.speculation is None:
+            self.prepare()
+        return self.speculation
+
+    def _output(self, seq: Sequence, prompt, text: str | None) -> GenerationOutput:
+        return GenerationOutput(
+            index=seq.index,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=list(seq.prompt_ids),
+            token_ids=seq.generated,
+            text=self.pair.decode(seq.generated) if text is None else text,
+            finish_reason=seq.finish_reason,
+            accepted_per_step=list(seq.accepted_per_step),
+            logprobs=None if seq.logprobs is None else seq.logprobs[: len(seq.generated)],
+        )

@@ -1,0 +1,239 @@
+"""Admission into a running batch without stalls or padding waste (chunked prefill).
+
+Waiting sequences are prefilled between decode steps, at most `chunk` prompt tokens per engine
+iteration (as Sarathi-Serve and vLLM do), so a long prompt never stalls the running rows for its
+whole length: their step time grows by at most one chunk's cost. Short prompts that fit in the
+chunk together are prefilled together, in length buckets (little padding); a prompt longer than
+the chunk is fed alone, chunk by chunk, into its own cache, then moved into the batch once
+complete (one copy).
+
+The chunk follows measured costs. A prefill forward of n tokens costs a + b n seconds (`PrefillCost`:
+a fixed part, the weights streamed once, and a part per token, fitted to the prefills timed), so
+the chunk is the n whose forward costs `share` decode steps: n = (share x step - a) / b, and never
+less than a / b (below it the fixed part is most of the forward: the per-token cost spirals up as
+chunks shrink, which a mean per token mistook for the price of prefill and answered with ever
+smaller chunks: 16 tokens per iteration, rows idle for seconds). `share` grows with the rows that
+are idle for want of admission: share = SHARE x (running + idle rows with a prompt waiting) /
+running, so one running row does not hold fifteen waiting ones at a trickle, while a full batch
+pays at most SHARE steps per iteration for a late arrival. While no row is running there is
+nothing to stall, and every waiting prompt that fits is prefilled at once; so too while the idle
+rows outnumber the running ones. Chunking moves no prefill work, it only chooses who waits: m
+chunks buy the R running rows m more steps and delay the I idle rows' first steps by m steps, a
+net loss of (I - R) x m row-steps whenever I > R.
+
+A policy that often drafts nothing (`-k auto`) leaves the proposer's cache empty here: the batch
+feeds it a row's tokens when a step first drafts for that row (`RaggedBatch.warm`).
+
+Invariant: a sequence holds a row and its worst-case KV budget (`batch.reserve`) from the moment
+its prefill starts, so it can always be moved in when complete.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from ..cache import kv
+from ..cache.prefixes import PrefixCache, would_reuse
+from ..core.sequence import Sequence, Status
+from ..distributed import tp
+from ..layouts.buckets import buckets
+from ..layouts.padded import PaddedBatch
+from .step import Context, feed, prefill
+
+MIN_CHUNK = 16  # a measured chunk never drops below this (tiny chunks waste a forward each)
+#: Decode steps' worth of prefill one iteration may add while every row is busy (see above).
+#: Measured (docs/serving.md, "Admission"): at 1 a late 1,598-token prompt stalled no running row
+#: by more than a step but 16 clients got 0.72x the throughput of a 2,048-token chunk; at 4 the
+#: throughput of the 2,048-token chunk at 4 and 16 clients, with the running rows' worst step at
+#: 0.96 s instead of 3.1 s while the long prompt arrives.
+SHARE = 4.0
+#: Weight of one timed prefill in the cost fit's sums (a memory of about 1 / PREFILL_RATE).
+PREFILL_RATE = 0.1
+#: The fit separates a from b only once the sizes timed spread by this much (their standard
+#: deviation over their mean); before, the cost is all per token.
+SPREAD = 0.25
+
+
+class PrefillCost:
+    """Seconds of a prefill forward of n tokens, a + b n (a, b >= 0), fitted by least squares to
+    exponentially weighted observations."""
+
+    def __init__(self):
+        self.sums = [0.0] * 5  # weighted 1, n, n^2, t, n t
+        self.a, self.b = 0.0, None  # b None: nothing timed yet
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        n = float(max(tokens, 1))
+        point = (1.0, n, n * n, seconds, n * seconds)
+        self.sums = [(1 - PREFILL_RATE) * s + x for s, x in zip(self.sums, point)]
+        w, sn, snn, st, snt = self.sums
+        det = w * snn - sn * sn  # w^2 x the weighted variance of n
+        b = (w * snt - sn * st) / det if det > (SPREAD * sn) ** 2 else 0.0
+        if b <= 0:  # sizes too alike to separate a from b (noise would make a / b explode): per token
+            self.a, self.b = 0.0, st / sn
+            return
+        a = (st - b * sn) / w
+        self.a, self.b = (a, b) if a >= 0 else (0.0, snt / snn)
+
+    def tokens_for(self, seconds: float) -> int:
+        """The largest n whose forward fits in `seconds` (and at least a / b)."""
+        b = max(self.b, 1e-12)
+        return round(max(seconds - self.a, self.a) / b)
+
+
+class Admission:
+    """Waiting sequences (first in, first out) and at most one prompt being fed in chunks."""
+
+    def __init__(self, ctx: Context, fixed_chunk: int | None = None, share: float = SHARE, first_chunk: int = 256):
+        self.ctx, self.fixed_chunk, self.share, self.first_chunk = ctx, fixed_chunk, share, first_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.partial: PaddedBatch | None = None  # one row, fed chunk by chunk
+        self.step_s: float | None = None  # decode step seconds (exponential average)
+        self.cost = PrefillCost()  # prefill seconds by tokens per forward
+        self.chunks = 0  # prefill forwards that stopped short of a prompt's end
+        self.prefixes: PrefixCache | None = None  # where prompts start from, if set (Loop sets it)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or self.partial is not None
+
+    def sequences(self) -> list[Sequence]:
+        """Waiting sequences and the one being prefilled."""
+        return list(self.waiting) + (self.partial.seqs if self.partial is not None else [])
+
+    def drop_cancelled(self, batch) -> None:
+        """Forget cancelled sequences; a cancelled prefill gives back its reservation."""
+        self.waiting = deque(s for s in self.waiting if not s.cancelled)
+        if self.partial is not None and self.partial.seqs[0].cancelled:
+            batch.unreserve(self.partial.seqs)
+            self.partial = None
+
+    def chunk(self, running: int = 1, idle: int = 0) -> int | None:
+        """Prompt tokens one iteration may prefill while `running` rows decode and `idle` free
+        rows have a prompt waiting for them (None: every waiting prompt that fits)."""
+        if self.fixed_chunk is not None:
+            return self.fixed_chunk
+        if idle > running:
+            return None
+        if self.step_s is None or self.cost.b is None:
+            return self.first_chunk
+        share = self.share * (running + idle) / max(running, 1)
+        return max(MIN_CHUNK, self.cost.tokens_for(share * self.step_s))
+
+    def observe_step(self, seconds: float) -> None:
+        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+
+    def _observe_prefill(self, tokens: int, seconds: float) -> None:
+        self.cost.observe(tokens, seconds)
+
+    def admit(self, batch) -> list[Sequence]:
+        """One iteration's prefill work for `batch` (a RaggedBatch). Returns the sequences that
+        finished at their first token (they never enter the batch)."""
+        # None: nothing running, nothing to stall. A measured chunk is rank 0's on every rank (tp.py).
+        limit = None
+        if len(batch):
+            idle = min(batch.free, len(self.waiting)) + (self.partial is not None)
+            limit = self.chunk(len(batch), idle)
+            limit = limit if self.fixed_chunk is not None else tp.agree(limit)
+        spent, finished = 0, []
+        if self.partial is not None:
+            spent, finished = self._feed(batch, limit)
+        while self.partial is None and self.waiting and batch.fits(self.waiting[0]):
+            room = None if limit is None else limit - spent
+            hit = self.prefixes.worth(self.waiting[0].token_ids) if self.prefixes is not None else None
+            rest = len(self.waiting[0]) - (hit.length if hit is not None else 0)
+            if hit is not None or (room is not None and rest > room):  # alone, from its cached prefix
+                if spent and room is not None and rest > room:
+                    break  # a long prompt starts next iteration, with a whole chunk
+                self.partial = self._open(batch, self.waiting.popleft(), hit)
+                used, done = self._feed(batch, room)
+                spent, finished = spent + used, finished + done
+                continue
+            group = [self.waiting.popleft()]
+            while self.waiting and batch.fits(self.waiting[0], extra=group):
+                if room is not None and sum(map(len, group)) + len(self.waiting[0]) > room:
+                    break
+                if self.prefixes is not None and would_reuse(self.waiting[0], group):
+                    break  # it starts from this group's entries, once they are stored (n > 1, a system prompt)
+                group.append(self.waiting.popleft())
+            spent += sum(map(len, group))
+            finished += self._prefill_group(batch, group)
+        return finished
+
+    def _open(self, batch, seq: Sequence, hit=None) -> PaddedBatch:
+        """A one-row padded batch for a prompt to be fed alone (in chunks, or after a cached
+        prefix): its caches hold `hit`'s entries of the roles fed at admission, else nothing."""
+        batch.reserve([seq])
+        seq.status = Status.RUNNING
+        models = self.ctx.models()
+        caches = kv.empty_caches(models)
+        if self.prefixes is not None:
+            caches |= self.prefixes.take(seq, hit, {role: models[role] for role in _roles(self.ctx, batch)})
+        return PaddedBatch([seq], caches, self.ctx.pad_id, self.ctx.device)
+
+    def _feed(self, batch, limit: int | None) -> tuple[int, list[Sequence]]:
+        """Feed the partial prompt one chunk (every role), or finish its prefill and move it in."""
+        part = self.partial
+        left = part.width - part.cache_width("target")
+        if limit is not None and left > limit:
+            start = time.perf_counter()
+            with self.ctx.stats.stage("prefill"):
+                for role in _roles(self.ctx, batch):
+                    feed(self.ctx, part, role, part.pending(role)[:, :limit])
+            self._observe_prefill(limit, time.perf_counter() - start)
+            self.chunks += 1
+            return limit, []
+        self.partial = None
+        return left, self._complete(batch, part, left)
+
+    def _prefill_group(self, batch, group: list[Sequence]) -> list[Sequence]:
+        """Prefill whole prompts in length buckets and move them in."""
+        for seq in group if self.prefixes is not None else ():
+            self.prefixes.take(seq, None, {})  # a lookup that missed
+        batch.reserve(group)
+        group = sorted(group, key=len)
+        finished = []
+        for rows in buckets(group):
+            for seq in rows:
+                seq.status = Status.RUNNING
+            caches = kv.empty_caches(self.ctx.models())
+            finished += self._complete(
+                batch, PaddedBatch(rows, caches, self.ctx.pad_id, self.ctx.device), sum(map(len, rows))
+            )
+        return finished
+
+    def _complete(self, batch, part: PaddedBatch, tokens: int) -> list[Sequence]:
+        """Prefill what `part` lacks (first token included) and move its live rows into `batch`."""
+        start = time.perf_counter()
+        finished = prefill(self.ctx, part, _roles(self.ctx, batch))
+        self._observe_prefill(tokens, time.perf_counter() - start)
+        batch.unreserve(finished)
+        if len(part):
+            with self.ctx.stats.stage("schedule"):
+                if self.prefixes is not None:
+                    self._store(part)
+                batch.admit(part)
+        return finished
+
+    def _store(self, part: PaddedBatch) -> None:
+        """Keep the entries of the prefilled rows that a waiting prompt would start from (another
+        choice of the same prompt, a shared system prompt) in the prefix cache now; the others are
+        kept when their rows leave (a copy costs memory bandwidth: only the ones of use now)."""
+        rows = [b for b, seq in enumerate(part.seqs) if any(would_reuse(w, [seq]) for w in self.waiting)]
+        if not rows:
+            return
+        starts = part.pad_left.tolist()
+        shares = {role: kv.split(cache, starts) for role, cache in part.caches.items()}
+        for b in rows:
+            entries = {role: split[b] for role, split in shares.items()}
+            self.prefixes.put(part.seqs[b], entries, {role: kv.count(e) for role, e in entries.items()})
+
+
+def _roles(ctx: Context, batch) -> list[str]:
+    """Roles a prompt is fed to at admission: a lazy policy's proposer cache is fed later, by the
+    batch (`warm`), if it can."""
+    return ctx.admitted_roles() if batch.warms else list(ctx.models())

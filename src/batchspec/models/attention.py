@@ -1,0 +1,88 @@
+"""Attention for batchspec's masked forwards: grouped-query heads packed into the query, and per-row
+spans in the ragged layout. Same math as transformers' SDPA attention, less memory traffic.
+
+- **Packed GQA.** With a mask and more than one query token, transformers' SDPA path repeats every
+  key/value head for each query head of its group (`repeat_kv`: a copy of the whole cache per
+  layer). Here the group's query heads are folded into the query length instead ([B, H_kv, g*q, D]
+  against the cache's own [B, H_kv, L, D]; the mask repeated along the queries), as transformers
+  already does for one query token. Measured per layer at B = 16, 5 query tokens, 1,024 cached,
+  SmolLM2's 9/3 heads on 2 CPU cores: 32.8 ms -> 3.7 ms, bit-identical outputs in that measurement.
+- **Row spans.** Rows of a ragged batch end at different slots; attending every row over the
+  longest row's span wastes the difference. The ragged layout's cache (`kv.SlotCache`) keeps rows
+  in size classes and hands each class's rows over their own span (`kv.RowParts`): one kernel call
+  per class in use, each row attending over less than twice its own length (past the first class).
+
+Registered as the attention implementation "batchspec" (`install`). Calls without a mask (the
+reference decoder's plain forwards) go to transformers' SDPA function unchanged, and so does each
+run of one query token (transformers packs those itself).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..cache import kv
+
+NAME = "batchspec"
+
+
+def install(model: torch.nn.Module) -> torch.nn.Module:
+    """Make `model` (a transformers model using SDPA attention) attend with `attention`."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) in (None, "sdpa", NAME):
+        config._attn_implementation = NAME
+    return model
+
+
+def _one(module, query, key, value, mask, scaling, dropout) -> torch.Tensor:
+    """query [B, H, q, D], key/value [B, H_kv, L, D], mask [B, 1 or H, q, L] -> [B, q, H, D]."""
+    b, heads, q, dim = query.shape
+    groups = heads // key.shape[1]
+    if q == 1 or (groups > 1 and mask.shape[1] != 1):  # transformers packs one query itself
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)[0]
+    if groups > 1:
+        query = query.reshape(b, key.shape[1], groups * q, dim)  # head h reads kv head h // groups
+        mask = mask.repeat(1, 1, groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+    )
+    return out.reshape(b, heads, q, dim).transpose(1, 2)
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention signature. key/value may be `kv.RowParts` (the ragged layout's size
+    classes): each part's rows attend over their own slab, up to their own longest row."""
+    only_stock = kwargs.get("output_attentions") or any(
+        kwargs.get(name) is not None for name in ("softcap", "sliding_window", "position_bias")
+    )  # features only transformers' function implements
+    if attention_mask is None or only_stock:
+        key, value = _dense(key, query.shape[0]), _dense(value, query.shape[0])
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if not isinstance(key, kv.RowParts):
+        return _one(module, query, key, value, attention_mask, scaling, dropout).contiguous(), None
+    b, heads, q, dim = query.shape
+    out = query.new_empty(b, q, heads, dim)
+    for (rows, k), (_, v) in zip(key.parts, value.parts):
+        mask = attention_mask[..., : k.shape[2]].index_select(0, rows)
+        part = _one(module, query.index_select(0, rows), k, v, mask, scaling, dropout)
+        out.index_copy_(0, rows, part)
+    return out, None
+
+
+def _dense(parts, rows: int) -> torch.Tensor:
+    """`kv.RowParts` -> one tensor [rows, H_kv, span, D] (zeros past each part's span); a tensor as is."""
+    if not isinstance(parts, kv.RowParts):
+        return parts
+    span = max(t.shape[2] for _, t in parts.parts)
+    head = parts.parts[0][1]
+    out = head.new_zeros(rows, head.shape[1], span, head.shape[3])
+    for index, t in parts.parts:
+        out.index_copy_(0, index, torch.nn.functional.pad(t, (0, 0, 0, span - t.shape[2])))
+    return out
+
+
+AttentionInterface.register(NAME, attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)

