@@ -1,6 +1,6 @@
 """Target forward times with transformers' SDPA attention over one slab of slots (every row over the
 longest row's span) against batchspec's (attention.py) over the ragged layout's size classes
-(kv.SlotCache): uniform rows, and rows of mixed lengths.
+(slots.SlotCache): uniform rows, and rows of mixed lengths.
 
     python experiments/attention_cost.py [--pair default] [--dtype float32] [--widths 1,2,3,5,7] [--json OUT]
 

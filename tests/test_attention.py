@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from batchspec import SamplingParams, SpecDecoder
-from batchspec.cache import kv
+from batchspec.cache import slots
 from batchspec.models import attention
 
 
@@ -35,7 +35,7 @@ class Heads(torch.nn.Module):
     parts=st.integers(1, 4),
 )
 def test_attention_equals_transformers_sdpa(seed, batch, q, groups, parts):
-    """Each row sees slots up to its own end (a ragged mask); whole or as `kv.RowParts` (rows in
+    """Each row sees slots up to its own end (a ragged mask); whole or as `slots.RowParts` (rows in
     any order, each part over its own longest row's span), the output is transformers' SDPA
     attention's over the whole span."""
     gen = torch.Generator().manual_seed(seed)
@@ -53,8 +53,8 @@ def test_attention_equals_transformers_sdpa(seed, batch, q, groups, parts):
     order = torch.randperm(batch, generator=gen)
     groups_ = [g for g in order.tensor_split(min(parts, batch)) if len(g)]
     spans = [int(ends[g].max()) for g in groups_]
-    keys = kv.RowParts([(g, key[g][:, :, :s]) for g, s in zip(groups_, spans)])
-    values = kv.RowParts([(g, value[g][:, :, :s]) for g, s in zip(groups_, spans)])
+    keys = slots.RowParts([(g, key[g][:, :, :s]) for g, s in zip(groups_, spans)])
+    values = slots.RowParts([(g, value[g][:, :, :s]) for g, s in zip(groups_, spans)])
     got, _ = attention.attention(module, query, keys, values, mask, scaling=0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     got, _ = attention.attention(module, query, keys, values, mask, scaling=0.3, output_attentions=True)
@@ -86,13 +86,13 @@ def test_rows_of_several_classes_attend_in_one_call_per_class(tiny64, monkeypatc
     """A 600-token row beside short ones: forwards plan one part per class in use, and the tokens
     are the reference's."""
     plans = []
-    prepare = kv.SlotCache.prepare
+    prepare = slots.SlotCache.prepare
 
     def spy(self, rows, positions):
         prepare(self, rows, positions)
         plans.append(sorted(c for c, *_ in self.plan))
 
-    monkeypatch.setattr(kv.SlotCache, "prepare", spy)
+    monkeypatch.setattr(slots.SlotCache, "prepare", spy)
     prompts = [random_prompts(90 + i, 1, n, n)[0] for i, n in enumerate([3, 40, 300, 600])]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     dec = SpecDecoder(tiny64, method="ragged", batch_size=4, k=3, check_invariants=True)

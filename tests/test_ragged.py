@@ -135,7 +135,7 @@ def test_slot_writes_copy_every_bit(dtype):
     """The slot cache's writes (16-bit floats through an int16 view): each row's new entries land
     at its slots with their exact bits (NaN, infinities, -0.0 included), the rest untouched, and
     the values equal a float scatter's."""
-    from batchspec.cache.kv import _write
+    from batchspec.cache.slots import _write
 
     gen = torch.Generator().manual_seed(0)
     slab = torch.randn(3, 2, 16, 4, generator=gen).to(dtype)

@@ -289,6 +289,9 @@ def _serve_parser(sub) -> None:
         help="CPUs Ray grants each replica, fractions allowed; torch uses max(1, floor(X)) threads (default 1)",
     )
 
+    # exspec's pool and the invariant checker are offline options: the online engine has neither
+    p.set_defaults(window_size=None, min_group=None, check_invariants=False)
+
     def run(args) -> int:
         config = serve_config(args)
         if (warning := access.check_binding(config.host, config.access.keys, False)) and tp.is_leader():
@@ -308,18 +311,9 @@ def serve_config(args) -> ServeConfig:
     keys = access.read_keys(args.api_key, args.api_key_file, os.environ)
     access.check_binding(args.host, keys, args.require_api_key)
     policy = access.Policy(keys, args.metrics_auth, args.max_request_bytes, args.body_timeout)
-    engine = EngineConfig(
-        method=args.method,
-        k=args.k,
-        batch_size=args.batch_size,
-        proposer=args.proposer,
-        branches=args.branches,
-        kv_budget_tokens=args.kv_budget_tokens,
-        prefill_chunk=args.prefill_chunk,
-    )
     return ServeConfig(
         models=pair_spec(args),
-        engine=engine,
+        engine=engine_config(args, args.method, args.batch_size, progress=False),
         no_spec=args.no_spec,
         host=args.host,
         port=args.port,

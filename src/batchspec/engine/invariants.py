@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import kv
+from ..models.eagle import EagleHead
 from ..models.forward import reference_features, shifted
 
 # Batched vs unbatched forwards differ by rounding only; these bound that, per dtype.
@@ -45,7 +46,7 @@ def _check_row(model, role: str, row: int, tokens: list[int], cached: kv.SeqKV, 
     fresh = kv.reference_cache(model.config)
     ids = torch.tensor([tokens], device=model.device)
     extra = {}
-    if getattr(model, "needs_features", False):  # a draft head: the target's features of the same tokens
+    if isinstance(model, EagleHead):  # a draft head: the target's features of the same tokens
         extra["features"] = shifted(reference_features(target, ids, model.aux))
     model(input_ids=ids, cache=fresh, use_cache=True, logits_to_keep=1, **extra)
     tol = TOLERANCE.get(kv.entry_dtype(model), 1e-3)

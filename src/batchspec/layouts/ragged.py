@@ -1,7 +1,7 @@
 """`ragged`: a realignment-free batch. Every row has its own cache offset; nothing is ever shifted.
 
 Row b's real entries are its slots 0 .. count_b - 1, kept for each role (target, draft) in a
-`kv.SlotCache`: one row of the slab of the row's size class (up to 256, 512, 1024, ... slots). A
+`slots.SlotCache`: one row of the slab of the row's size class (up to 256, 512, 1024, ... slots). A
 forward of q new tokens per row writes them at slots o_b .. o_b + q - 1 (one scatter per class and
 layer) with positions o_b + i and a 4-D mask in which query i of row b sees slots j <= o_b + i.
 Rejected drafts are rolled back by not counting them: their slots are overwritten next step. No
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import kv
+from ..cache import kv, slots
 from ..core.errors import BatchspecError
 from ..core.sequence import Sequence
 from .base import Layout
@@ -42,7 +42,7 @@ def need(seq: Sequence, k: int) -> int:
 
 
 class RaggedBatch(Layout):
-    """Running sequences in rows 0..n-1, their entries in one `kv.SlotCache` per role;
+    """Running sequences in rows 0..n-1, their entries in one `slots.SlotCache` per role;
     `counts[role][b]` entries of row b are real. Between `pending` and `realign`, `heads[role][b]`
     is the next write slot of a role fed this step (`fed`); a role not fed keeps its counts.
     `reserved` is the budget promised to the running rows and to the `incoming` sequences being
@@ -53,7 +53,9 @@ class RaggedBatch(Layout):
     def __init__(self, models: dict, capacity: int, budget: int, k: int, pad_id: int, device):
         self.seqs: list[Sequence] = []
         self.capacity, self.budget, self.k, self.pad_id, self.device = capacity, budget, k, pad_id, device
-        self.caches = {role: kv.SlotCache(m.config, kv.entry_dtype(m), device, capacity) for role, m in models.items()}
+        self.caches = {
+            role: slots.SlotCache(m.config, kv.entry_dtype(m), device, capacity) for role, m in models.items()
+        }
         self.counts = {role: torch.zeros(capacity, dtype=torch.long, device=device) for role in models}
         self.heads = {role: torch.zeros(capacity, dtype=torch.long, device=device) for role in models}
         self.fed: set[str] = set()  # roles fed since the last realign (a draft skips plain steps)
@@ -77,7 +79,7 @@ class RaggedBatch(Layout):
 
     def reserve(self, seqs: list[Sequence]) -> None:
         """Hold a row and worst-case budget for each of `seqs` while they are prefilled (memory is
-        allocated as rows fill: kv.SlotCache)."""
+        allocated as rows fill: slots.SlotCache)."""
         self.reserved += sum(need(s, self.k) for s in seqs)
         self.incoming += len(seqs)
 
@@ -200,10 +202,10 @@ class RaggedBatch(Layout):
 
     def attended_span(self) -> int:
         """Slots a row's attention reads next step, on average (each size class's rows read up to
-        their longest row: kv.SlotCache)."""
+        their longest row: slots.SlotCache)."""
         longest: dict[int, list[int]] = {}
         for seq in self.seqs:
-            entry = longest.setdefault(kv.slot_class(len(seq)), [0, 0])
+            entry = longest.setdefault(slots.slot_class(len(seq)), [0, 0])
             entry[0], entry[1] = entry[0] + 1, max(entry[1], len(seq))
         return sum(rows * span for rows, span in longest.values()) // len(self.seqs)
 

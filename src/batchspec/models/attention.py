@@ -8,8 +8,8 @@ spans in the ragged layout. Same math as transformers' SDPA attention, less memo
   already does for one query token. Measured per layer at B = 16, 5 query tokens, 1,024 cached,
   SmolLM2's 9/3 heads on 2 CPU cores: 32.8 ms -> 3.7 ms, bit-identical outputs in that measurement.
 - **Row spans.** Rows of a ragged batch end at different slots; attending every row over the
-  longest row's span wastes the difference. The ragged layout's cache (`kv.SlotCache`) keeps rows
-  in size classes and hands each class's rows over their own span (`kv.RowParts`): one kernel call
+  longest row's span wastes the difference. The ragged layout's cache (`slots.SlotCache`) keeps rows
+  in size classes and hands each class's rows over their own span (`slots.RowParts`): one kernel call
   per class in use, each row attending over less than twice its own length (past the first class).
 
 Registered as the attention implementation "batchspec" (`install`). Calls without a mask (the
@@ -24,7 +24,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..cache import kv
+from ..cache import slots
 
 NAME = "batchspec"
 
@@ -53,7 +53,7 @@ def _one(module, query, key, value, mask, scaling, dropout) -> torch.Tensor:
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """transformers' attention signature. key/value may be `kv.RowParts` (the ragged layout's size
+    """transformers' attention signature. key/value may be `slots.RowParts` (the ragged layout's size
     classes): each part's rows attend over their own slab, up to their own longest row."""
     only_stock = kwargs.get("output_attentions") or any(
         kwargs.get(name) is not None for name in ("softcap", "sliding_window", "position_bias")
@@ -61,7 +61,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     if attention_mask is None or only_stock:
         key, value = _dense(key, query.shape[0]), _dense(value, query.shape[0])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    if not isinstance(key, kv.RowParts):
+    if not isinstance(key, slots.RowParts):
         return _one(module, query, key, value, attention_mask, scaling, dropout).contiguous(), None
     b, heads, q, dim = query.shape
     out = query.new_empty(b, q, heads, dim)
@@ -73,8 +73,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
 
 
 def _dense(parts, rows: int) -> torch.Tensor:
-    """`kv.RowParts` -> one tensor [rows, H_kv, span, D] (zeros past each part's span); a tensor as is."""
-    if not isinstance(parts, kv.RowParts):
+    """`slots.RowParts` -> one tensor [rows, H_kv, span, D] (zeros past each part's span); a tensor as is."""
+    if not isinstance(parts, slots.RowParts):
         return parts
     span = max(t.shape[2] for _, t in parts.parts)
     head = parts.parts[0][1]

@@ -50,8 +50,6 @@ class EagleHead(torch.nn.Module):
     buffer set by `share_target` (the target's output rows of vocab_ids).
     """
 
-    needs_features = True
-
     def __init__(self, config, vocab_ids: torch.Tensor, aux_layers: tuple[int, ...] = ()):
         super().__init__()
         self.config = config

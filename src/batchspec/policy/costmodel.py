@@ -23,9 +23,10 @@ from collections import deque
 
 import torch
 
-from ..cache import kv
+from ..cache import kv, slots
 from ..core import diskcache
 from ..distributed import tp
+from ..models.eagle import EagleHead
 
 #: Weight of one timed step in the load factor (every width) and in its width's scale; their bounds
 #: (1 / limit .. limit).
@@ -155,12 +156,12 @@ def time_rows(model, lengths: list[int], q: int, repeats: int = 1, classes: bool
     fed as the ragged layout feeds it (in size classes, or one slab if not `classes`; the slots'
     contents are irrelevant to the time, so nothing is prefilled), after an untimed run if `warmup`."""
     device, rows = next(model.parameters()).device, len(lengths)
-    cache = kv.SlotCache(model.config, kv.entry_dtype(model), device, rows, classes)
+    cache = slots.SlotCache(model.config, kv.entry_dtype(model), device, rows, classes)
     positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(q, device=device)[None, :]
     mask = (torch.arange(max(lengths) + q, device=device)[None, None, :] <= positions[:, :, None])[:, None]
     ids = torch.zeros(rows, q, dtype=torch.long, device=device)
     extra = {}
-    if getattr(model, "needs_features", False):  # a draft head (eagle.py) also reads features
+    if isinstance(model, EagleHead):  # a draft head (eagle.py) also reads features
         extra["features"] = torch.zeros(rows, q, model.feature_size, dtype=model.dtype, device=device)
     times = []
     for _ in range(repeats + warmup):
