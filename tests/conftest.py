@@ -22,7 +22,9 @@ from hypothesis import HealthCheck, settings
 
 from batchspec import load_pair, tiny_pair
 
-torch.set_num_threads(int(os.environ.get("BATCHSPEC_TEST_THREADS", "2")))
+# Two workers (pytest-xdist, as pyproject's addopts run it) take a core each; one process takes both.
+_THREADS = "1" if "PYTEST_XDIST_WORKER" in os.environ else "2"
+torch.set_num_threads(int(os.environ.get("BATCHSPEC_TEST_THREADS", _THREADS)))
 
 # One disk cache for the session (diskcache.py), shared with the processes the tests start, and
 # removed at the end: the tests neither read nor fill the user's cache.
