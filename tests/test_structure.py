@@ -115,6 +115,21 @@ def test_every_import_points_down_the_layers():
     assert not any(m.startswith("batchspec.serving") for m in GRAPH["batchspec.engine.online"])  # no HTTP
 
 
+def test_the_step_reads_and_probes_for_nothing():
+    """decode_step stays a short list of calls, and no module on the step's path asks an object
+    whether it has a member (capabilities are declared on Layout, Proposer and Speculation)."""
+    step = MODULES["batchspec.engine.step"]
+    (fn,) = [n for n in ast.parse(step.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == "decode_step"]
+    assert fn.end_lineno - fn.lineno + 1 <= 40
+    for name in ("engine.step", "engine.verify", "engine.loop", "engine.admission", "policy.speculation"):
+        calls = [
+            n.func.id
+            for n in ast.walk(ast.parse(MODULES[f"batchspec.{name}"].read_text()))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+        ]
+        assert not {"getattr", "hasattr"} & set(calls), name
+
+
 def test_every_method_has_a_runner_and_the_cli_lists_the_table():
     for method in methods.METHODS.values():
         assert callable(method.run()), method.name
