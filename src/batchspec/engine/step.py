@@ -32,6 +32,7 @@ from ..core.stats import Stats
 from ..distributed import tp
 from ..layouts.base import Layout
 from ..layouts.padded import PaddedBatch
+from ..models.pair import ModelPair
 from ..policy.speculation import Fixed, Speculation, timed
 from ..proposers.base import Proposal, Proposer
 from .verify import accept, target_forward, verify
@@ -58,8 +59,8 @@ class Context:
             self.speculation = Fixed(self.k)
 
     @classmethod
-    def of(cls, pair, proposer: Proposer | None, k: int, speculation: Speculation | None, **kw) -> Context:
-        """The context of a decoder or a server over `pair` (a models.ModelPair): its target, padding
+    def of(cls, pair: ModelPair, proposer: Proposer | None, k: int, speculation: Speculation | None, **kw) -> Context:
+        """The context of a decoder or a server over `pair`: its target, padding
         id and device; plain decoding (k = 0, no policy) without a proposer."""
         if proposer is None:
             k, speculation = 0, None

@@ -41,7 +41,9 @@ class Verified:
         return self.drafts.shape[1]
 
 
-def verify(target, batch: Layout, drafts: torch.Tensor, proposal: Proposal | None, features: Features | None):
+def verify(
+    target, batch: Layout, drafts: torch.Tensor, proposal: Proposal | None, features: Features | None
+) -> Verified:
     """drafts [B, w] (the first w of the proposal's) -> the target's logits in one forward: over the
     proposal's draft tree cut at depth w where it drafted one, else over the chain."""
     width = drafts.shape[1]
