@@ -6,13 +6,12 @@ Which methods exist, and the runner of each, is `methods.METHODS`.
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import torch
 from tqdm.auto import tqdm
 
-from .core import diskcache, methods
+from .core import methods
 from .core.config import EngineConfig, SamplingParams
 from .core.detok import StopStrings
 from .core.errors import BatchspecError
@@ -21,7 +20,7 @@ from .core.stats import Stats
 from .distributed import tp
 from .engine.step import Context
 from .models.pair import ModelPair, load_pair
-from .policy.speculation import make_speculation
+from .policy.speculation import prepare
 from .proposers.make import make_proposer
 
 
@@ -120,12 +119,10 @@ class SpecDecoder:
         for plain decoding only (the target's linear layers, no policy)."""
         if not plain and self.speculation is not None:
             return  # prepared already
-        started, before = time.perf_counter(), diskcache.tally.copy()
-        if plain:
-            make_speculation(self.config, self.pair.target, None)
-        else:
-            self.speculation = make_speculation(self.config, self.pair.target, self.proposer)
-        self.startup |= {"tuning_s": round(time.perf_counter() - started, 3), "tuning": diskcache.tuning(before)}
+        speculation, report = prepare(self.config, self.pair.target, None if plain else self.proposer)
+        if not plain:
+            self.speculation = speculation
+        self.startup |= report
 
     def _speculation(self):
         """The speculation policy, kept across runs (what `auto` learned carries over)."""

@@ -144,11 +144,14 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
     with stats.stage("verify"):
         verified = verify(ctx.target, batch, drafts, proposal, ctx.features)
     with stats.stage("accept"):
-        choice = _pick(verified.logits, params, None if noise is None else noise[:, verified.offsets.to(noise.device)])
+        choice = _pick(
+            verified.logits, params, None if noise is None else noise[:, verified.offsets().to(noise.device)]
+        )
         outcome, path = accept(batch, verified, choice, limit, ctx.accept, ctx.features)
         accepted = outcome.num_accepted.tolist()
         kept = [seq.commit(row, a) for seq, row, a in zip(seqs, outcome.rows(), accepted)]
-        logprobs.record(seqs, verified.logits, _columns(kept, accepted, path))
+        if any(seq.logprobs is not None for seq in seqs):  # cheap when no row asks
+            logprobs.record(seqs, verified.logits, _columns(kept, accepted, path))
         stats.record_verified(seqs, kept, verified.width, limit)
     if ctx.observe is not None:
         ctx.observe(seqs)

@@ -26,11 +26,9 @@ from ..proposers.features import Features
 @dataclass
 class Verified:
     """One verification: the target's logits [B, w + 1, V] at `[last, drafts]` (or the tree's
-    nodes), the noise offset each logits column picks with [w + 1] (a node at depth d reads the
-    noise of position d), and for a tree what acceptance needs to keep each row's path."""
+    nodes), and for a tree what acceptance needs to keep each row's path."""
 
     logits: torch.Tensor
-    offsets: torch.Tensor
     drafts: torch.Tensor  # [B, w] the chain verified, or the tree's first path
     tree: Tree | None = None
     nodes: torch.Tensor | None = None  # [B, len(tree)]
@@ -39,6 +37,13 @@ class Verified:
     @property
     def width(self) -> int:
         return self.drafts.shape[1]
+
+    def offsets(self) -> torch.Tensor:
+        """The noise position each logits column picks with [w + 1]: a chain's 0..w; the root, then
+        each tree node's depth (a node at depth d reads the noise of position d)."""
+        if self.tree is None:
+            return torch.arange(self.width + 1)
+        return torch.nn.functional.pad(self.tree.depth().cpu(), (1, 0))
 
 
 def verify(
@@ -49,12 +54,11 @@ def verify(
     width = drafts.shape[1]
     if proposal is None or proposal.tree is None or width == 0:
         logits = target_forward(target, batch, torch.cat([batch.pending("target"), drafts], dim=1), features)
-        return Verified(logits, torch.arange(width + 1), drafts)
+        return Verified(logits, drafts)
     shape = proposal.tree.cut(width)
     nodes = proposal.nodes[:, : len(shape)]
     logits, fed = verify_tree(target, batch, nodes, shape, features)
-    offsets = torch.nn.functional.pad(shape.depth().cpu(), (1, 0))
-    return Verified(logits, offsets, drafts, shape, nodes, fed)
+    return Verified(logits, drafts, shape, nodes, fed)
 
 
 def accept(

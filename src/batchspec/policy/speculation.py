@@ -47,7 +47,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..core import tree
+from ..core import diskcache, tree
 from ..core.config import AUTO_K_MAX, EngineConfig
 from ..distributed import tp
 from ..models import linears
@@ -392,3 +392,11 @@ def make_speculation(config: EngineConfig, target, proposer):
     if config.k == "auto" and proposer is not None:
         return Adaptive(target, proposer, config.batch_size, config.k_max)
     return Fixed(config.k_max)
+
+
+def prepare(config: EngineConfig, target, proposer) -> tuple[Speculation, dict]:
+    """`make_speculation`, and what it cost the start: {"tuning_s": seconds, "tuning": "measured",
+    "cached", "partly cached" or "none"} (the stats' and the server log's start-up report)."""
+    started, before = time.perf_counter(), diskcache.tally.copy()
+    speculation = make_speculation(config, target, proposer)
+    return speculation, {"tuning_s": round(time.perf_counter() - started, 3), "tuning": diskcache.tuning(before)}

@@ -29,7 +29,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from ..core import diskcache
 from ..core.config import SamplingParams
 from ..core.detok import TokenBytes
 from ..core.errors import BatchspecError
@@ -40,7 +39,7 @@ from ..engine.lockstep import LockstepEngine
 from ..engine.online import Chunk, OnlineEngine, QueueFull, ShuttingDown
 from ..engine.online import Request as EngineRequest
 from ..engine.step import Context
-from ..policy.speculation import make_speculation
+from ..policy.speculation import prepare
 from ..proposers.make import make_proposer
 from . import access
 from . import openai_api as api
@@ -394,9 +393,7 @@ def build_service(config: ServeConfig) -> Service:
     """The pair, the proposer and the online engine of a `ServeConfig`."""
     pair = config.models.load()
     proposer, _ = (None, None) if config.no_spec else make_proposer(pair, config.engine)
-    started, before = time.perf_counter(), diskcache.tally.copy()
-    speculation = make_speculation(config.engine, pair.target, proposer)  # from the cache where it has them
-    startup = pair.startup | {"tuning_s": round(time.perf_counter() - started, 3), "tuning": diskcache.tuning(before)}
+    speculation, report = prepare(config.engine, pair.target, proposer)  # from the cache where it has them
     ctx = Context.of(pair, proposer, config.k, speculation)
     budget = config.kv_budget(pair.context_len)
     lock = threading.Lock()
@@ -411,5 +408,5 @@ def build_service(config: ServeConfig) -> Service:
     engine = engine_class(ctx, config.engine.batch_size, budget, decode, config.max_queue, chunk, prefix_tokens)
     service = Service(engine, pair, config.served_model_name or pair.name, lock)
     service.policy = config.access
-    service.startup = startup
+    service.startup = pair.startup | report
     return service
