@@ -40,6 +40,10 @@ K_HELP = (
     "draft tokens per row and step: N, or auto (default: chosen every step from measured costs, "
     f"0..{AUTO_K_MAX} per row)"
 )
+INVARIANT_HELP = (
+    "the target's logits the same bits alone or in any batch, so output equals the target alone's in "
+    "bfloat16 too (CPU; docs/batch-invariance.md)"
+)
 DEFAULT_PROMPTS = ["Why is the sky blue?", "Write a haiku about the sea.", "What is speculative decoding?"]
 
 
@@ -134,6 +138,17 @@ def _decode_options(p: argparse.ArgumentParser, one_method: bool) -> None:
     g.add_argument(
         "--check-invariants", action="store_true", help="check every synchronization invariant after each step (slow)"
     )
+    if one_method:
+        g.add_argument("--batch-invariant", action="store_true", help=INVARIANT_HELP)
+    else:
+        g.add_argument(
+            "--batch-invariant",
+            nargs="?",
+            const="on",
+            default="off",
+            metavar="off,on",
+            help=INVARIANT_HELP + "; bench takes 'off,on' (both, paired by repeat)",
+        )
     g.add_argument("--json", metavar="OUT", help="write a machine-readable result to OUT")
 
 
@@ -224,6 +239,7 @@ def _serve_parser(sub) -> None:
         "history, a shared system prompt), least recently used evicted (default: the KV budget)",
     )
     g.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole")
+    g.add_argument("--batch-invariant", action="store_true", help=INVARIANT_HELP)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
@@ -390,7 +406,24 @@ def engine_options(args) -> dict:
         kv_budget_tokens=args.kv_budget_tokens,
         prefill_chunk=args.prefill_chunk,
         check_invariants=args.check_invariants,
+        batch_invariant=invariant_modes(args)[0],
     )
+
+
+def invariant_modes(args) -> list[bool]:
+    """--batch-invariant as a list of modes: [True] or [False] (generate, serve), or what verify
+    and bench were given ("on", "off", "off,on")."""
+    value = args.batch_invariant
+    if isinstance(value, bool):
+        modes = [value]
+    else:
+        names = parse_list(value, str, "--batch-invariant")
+        if any(n not in ("off", "on") for n in names):
+            raise BatchspecError(f"--batch-invariant takes off, on or off,on, got {value!r}")
+        modes = [n == "on" for n in names]
+    if any(modes) and (getattr(args, "tp", 1) or 1) > 1:
+        raise BatchspecError("--batch-invariant does not run with --tp: the all-reduce order would vary")
+    return modes
 
 
 def engine_config(args, method: str, batch_size: int, progress: bool) -> EngineConfig:
@@ -440,8 +473,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    if len(k_values(args.k)) > 1 or len(branch_values(args.branches)) > 1:
-        raise BatchspecError("verify takes one -k and one --branches value (bench takes lists)")
+    if len(k_values(args.k)) > 1 or len(branch_values(args.branches)) > 1 or len(invariant_modes(args)) > 1:
+        raise BatchspecError("verify takes one -k, --branches and --batch-invariant value (bench takes lists)")
     params, names, batch_sizes, prompts, pair = comparison_inputs(args)
     report = equivalence.verify(
         pair,

@@ -19,6 +19,7 @@ from .core.sequence import GenerationOutput, Sequence
 from .core.stats import Stats
 from .distributed import tp
 from .engine.step import Context
+from .models import invariant
 from .models.pair import ModelPair, load_pair
 from .policy.speculation import prepare
 from .proposers.make import make_proposer
@@ -38,6 +39,7 @@ class SpecDecoder:
         if config is not None and config_kw:
             raise BatchspecError("give either an EngineConfig or keyword options, not both")
         self.proposer, self.proposer_name = make_proposer(pair, self.config)
+        self._apply_mode()
         self.stats = Stats(device=str(pair.device))
         self.speculation = None  # built on first use: `auto` probes the machine's costs
         self.startup = dict(pair.startup)  # load_s, weights; tuning_s, tuning once measured
@@ -87,6 +89,7 @@ class SpecDecoder:
         """Run the configured method over prepared sequences (in place), each with its own
         SamplingParams; `observe` is the output processor (step.Context). Returns the stats."""
         cfg = self.config
+        self._apply_mode()  # decoders of either mode may share the pair (bench --batch-invariant off,on)
         tp.sync_seeds(seqs)  # tensor-parallel ranks sample alike (no-op in one process)
         self.stats = Stats(device=str(self.pair.device))
         bar = tqdm(total=len(seqs), desc=cfg.method, unit="seq", disable=not cfg.progress, leave=False)
@@ -113,6 +116,14 @@ class SpecDecoder:
         unfinished = [s.index for s in seqs if not s.finished]
         assert not unfinished, f"method {cfg.method} left sequences unfinished: {unfinished}"
         return self.stats
+
+    def _apply_mode(self) -> None:
+        """Put the target under the batch-invariant mode or take it out, as the config says."""
+        mode = self.config.batch_invariant
+        if mode and tp.active():
+            raise BatchspecError("--batch-invariant does not run with --tp: the all-reduce order would vary")
+        if mode is not None:
+            (invariant.install if mode else invariant.uninstall)(self.pair.target)
 
     def prepare(self, plain: bool = False) -> None:
         """Take now the measurements the first run would take (or find them in the cache); `plain`:

@@ -93,7 +93,9 @@ class EngineConfig:
     ragged layout's rows may reserve together (default: its batch_size largest requests).
     prefix_cache_tokens: ragged: keep the KV entries of rows that leave, up to this many tokens, and
     start later prompts that share a prefix from them (prefixes.py; None: off; the server's default
-    is on).
+    is on). batch_invariant: run the target under the batch-invariant mode (models/invariant.py:
+    its logits the same bits alone or in any batch, so greedy output equals `reference`'s in
+    bfloat16 too); False: plain kernels; None: leave the model as it is.
     """
 
     method: str = methods.DEFAULT_METHOD
@@ -109,6 +111,7 @@ class EngineConfig:
     prefix_cache_tokens: int | None = None
     check_invariants: bool = False
     progress: bool = False
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         methods.get(self.method)  # raises for an unknown name
@@ -134,6 +137,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise BatchspecError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.batch_invariant not in (None, True, False):
+            raise BatchspecError(f"batch_invariant must be True, False or None, got {self.batch_invariant!r}")
         if self.window_size is not None and self.window_size < self.batch_size:
             raise BatchspecError(f"window_size ({self.window_size}) must be >= batch_size ({self.batch_size})")
 

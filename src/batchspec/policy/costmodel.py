@@ -189,7 +189,7 @@ def probe(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768), fres
     of the machine does not skew one width against the others. Kept per model and shape for the
     process, and on disk (diskcache.py, "step-probes") for later starts on the same machine;
     `fresh` measures again and replaces both."""
-    key = (rows, q_max, spans, kv.entry_dtype(model))
+    key = (rows, q_max, spans, kv.entry_dtype(model), model.config._attn_implementation)
     per_model = _PROBES.setdefault(model, {})
     if key in per_model and not fresh:
         return per_model[key][0]

@@ -17,7 +17,7 @@ dtype's machine epsilon and scale the largest |logit| at t.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -107,7 +107,9 @@ def verify(
     `options`: further EngineConfig fields (window_size, min_group, ...) for every method."""
     if not params.greedy:
         raise BatchspecError("verify compares greedy outputs; use --temperature 0")
-    ref_dec = SpecDecoder(pair, EngineConfig(method="reference", progress=progress))
+    params = replace(params, logprobs=params.logprobs or 0)  # each token's logprob: its logits row, compared
+    mode = options.get("batch_invariant")
+    ref_dec = SpecDecoder(pair, EngineConfig(method="reference", progress=progress, batch_invariant=mode))
     ref_outs = ref_dec.generate(prompts, params, chat_template)
     prompt_ids = [o.prompt_token_ids for o in ref_outs]
     references = [o.token_ids for o in ref_outs]
@@ -124,11 +126,26 @@ def verify(
                 "method": method,
                 "batch_size": batch,
                 "dtype": str(pair.dtype).removeprefix("torch."),
+                "batch_invariant": bool(mode),
                 **metrics,
+                "max_logprob_diff": logprob_gap(ref_outs, outs),
                 "divergence_list": [asdict(d) | _texts(pair, d) for d in divs],
             }
         )
     return {"runs": runs, "models": pair.describe(), "k": k, "max_new_tokens": params.max_new_tokens}
+
+
+def logprob_gap(references, outputs) -> float:
+    """The largest |logprob difference| of a token both emitted at the same position (before any
+    divergence): 0.0 when every committed token's logits row equals the reference's (a log-softmax
+    of equal rows is equal)."""
+    gap = 0.0
+    for ref, got in zip(references, outputs):
+        for a, b, ta, tb in zip(ref.logprobs, got.logprobs, ref.token_ids, got.token_ids):
+            if ta != tb:
+                break
+            gap = max(gap, abs(a.logprob - b.logprob))
+    return gap
 
 
 def _texts(pair, d: Divergence) -> dict:
@@ -139,13 +156,14 @@ def _texts(pair, d: Divergence) -> dict:
 def table(report: dict) -> str:
     head = (
         f"{'method':<10}{'batch':>6}{'dtype':>10}{'prompts':>9}{'exact':>8}{'prefix':>8}"
-        f"{'diverged':>10}{'near-tie':>10}{'unexplained':>13}"
+        f"{'diverged':>10}{'near-tie':>10}{'unexplained':>13}{'max |dlogp|':>13}"
     )
     lines = [head, "-" * len(head)]
     for r in report["runs"]:
         lines.append(
             f"{r['method']:<10}{r['batch_size']:>6}{r['dtype']:>10}{r['n_prompts']:>9}{r['exact_match']:>8.3f}"
             f"{r['prefix_match']:>8.3f}{r['divergences']:>10}{r['near_ties']:>10}{r['unexplained']:>13}"
+            f"{r['max_logprob_diff']:>13.2e}"
         )
     return "\n".join(lines)
 

@@ -1,0 +1,300 @@
+"""The batch-invariant mode: a row's logits do not depend on what shares its forward.
+
+Greedy speculative decoding is exact only if the target's logits for a token are the same bits
+whether it was computed alone (plain decoding: one row, one query) or inside a verification (B rows,
+k + 1 queries each, a tree's columns, a prefill chunk). In float32 and bfloat16 the usual kernels
+break this: BLAS picks its path by matrix shape, and attention reduces over whatever span and
+padding the batch has. Under this mode (`install(model)`) every reduction in the target's forward
+is made independent of the batch, by construction:
+
+- **Linear layers and the LM head** take oneDNN's matmul over a packed weight for every row count
+  (linears.FormTable.fixed): its per-row result does not depend on M (measured for M = 1 .. 2,048,
+  float32 and bfloat16), unlike `F.linear`, whose float32 M = 1 and bfloat16 K = 1,536 paths differ.
+- **Attention** (`attention`) reduces each query over its keys in *canonical order*: the keys it
+  attends, numbered 0, 1, 2, .. by absolute position (padding, holes and a tree's other branches
+  removed), cut into blocks of BLOCK. Per block, scores and the weighted values (with a ones column:
+  the softmax's denominator) come from batched matmuls of fixed width (BLOCK keys, D or D + 1
+  columns) and at least MIN_ROWS rows, shapes whose per-row results do not depend on the number of
+  rows or matrices (float32 MKL changes path below 4 rows); the blocks are then summed in order by a
+  sequential scan (`cumsum`, float64 accumulation). A masked key contributes an exact zero; a block
+  past a query's last key contributes exact zeros; so the sum is the same for any span, layout or
+  batch. Everything is computed in float32 (bfloat16 inputs are exact in it); the output is rounded
+  to the model's dtype.
+- **Rotary embeddings** come from a table computed once per model (`_RotaryTable`): cos/sin of the
+  same position are the same bits whatever the batch (vectorized and scalar cos differ).
+- Norms, activations, residuals and the embedding are row-local already (tests/test_invariant.py
+  checks each op the mode relies on, bitwise, alone vs. in batches).
+
+The reference decoder runs the same model, so it runs under the mode too and stays the oracle.
+CPU only: on other devices `install` refuses (docs/batch-invariance.md says how it maps to a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import weakref
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..core.errors import BatchspecError
+from . import attention as plain_attention
+from .linears import FormTable, TunedLinear
+
+NAME = "batchspec_invariant"
+#: Keys per block of the attention's reduction, at canonical ranks 0, BLOCK, 2 BLOCK, ..
+BLOCK = 64
+#: Fewest rows a matmul of the mode is given (padded with zeros): below 4, float32 MKL takes other paths.
+MIN_ROWS = 16
+#: The linear layers' formulation under the mode (linears.FORMS).
+LINEAR_FORM = "onednn"
+
+
+def installed(model: torch.nn.Module) -> bool:
+    return getattr(model.config, "_attn_implementation", None) == NAME
+
+
+def install(model: torch.nn.Module) -> torch.nn.Module:
+    """Put `model` (a transformers decoder on a CPU, its linear layers tuned by linears.py) under the
+    mode; raises BatchspecError where the mode cannot run."""
+    if installed(model):
+        return model
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise BatchspecError(
+            f"--batch-invariant runs on CPUs only (the model is on {device}); see docs/batch-invariance.md"
+        )
+    tables = {id(m.table): m.table for m in model.modules() if isinstance(m, TunedLinear)}
+    if not tables or any(isinstance(m, torch.nn.Linear) for m in model.modules()):
+        raise BatchspecError("--batch-invariant needs the model's linear layers tuned (models.linears.tune_linears)")
+    for table in tables.values():
+        _check_onednn(table)
+        table.fixed = LINEAR_FORM
+    rotary = _rotary(model)
+    rotary.forward = types.MethodType(_RotaryTable(rotary).forward, rotary)
+    model.config._attn_implementation = NAME
+    return model
+
+
+def uninstall(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo `install` (plain kernels again)."""
+    if not installed(model):
+        return model
+    for m in model.modules():
+        if isinstance(m, TunedLinear):
+            m.table.fixed = None
+    rotary = _rotary(model)
+    del rotary.forward  # the class's method again
+    model.config._attn_implementation = plain_attention.NAME
+    return model
+
+
+def _check_onednn(table: FormTable) -> None:
+    layer = table.layers[0]
+    try:
+        table.onednn(torch.zeros(1, layer.in_features, dtype=layer.weight.dtype), layer.weight, None)
+    except (RuntimeError, NotImplementedError) as e:
+        raise BatchspecError(
+            f"--batch-invariant needs oneDNN's matmul in {layer.weight.dtype} on this CPU, which fails: {e}"
+        ) from e
+
+
+def _rotary(model: torch.nn.Module) -> torch.nn.Module:
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    rope_type = getattr(rotary, "rope_type", "default")
+    if rotary is None or rope_type not in ("default", "llama3", "linear"):
+        raise BatchspecError(
+            f"--batch-invariant supports static rotary embeddings (default, llama3, linear), not {rope_type!r}"
+        )
+    return rotary
+
+
+class _RotaryTable:
+    """cos/sin [B, q, D] of position ids [B, q], looked up in tables [P, D] made once (float32, in
+    fixed chunks of BLOCK positions, so a position's row never depends on how many were made)."""
+
+    def __init__(self, rotary: torch.nn.Module):
+        self.rotary = weakref.ref(rotary)
+        self.cos = self.sin = None
+
+    def _grow(self, positions: int) -> None:
+        rotary = self.rotary()
+        have = 0 if self.cos is None else self.cos.shape[0]
+        need = BLOCK * math.ceil(max(positions, 1) / BLOCK)
+        if need <= have:
+            return
+        inv = rotary.inv_freq.float()
+        chunks_cos, chunks_sin = [], []
+        for start in range(have, need, BLOCK):
+            freqs = torch.arange(start, start + BLOCK, dtype=torch.float)[:, None] * inv[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            chunks_cos.append(emb.cos() * rotary.attention_scaling)
+            chunks_sin.append(emb.sin() * rotary.attention_scaling)
+        self.cos = torch.cat([t for t in (self.cos, *chunks_cos) if t is not None])
+        self.sin = torch.cat([t for t in (self.sin, *chunks_sin) if t is not None])
+
+    def forward(self, _module, x: torch.Tensor, position_ids: torch.Tensor):
+        self._grow(int(position_ids.max()) + 1)
+        index = position_ids.to(torch.long).cpu()
+        return self.cos[index].to(x.device, x.dtype), self.sin[index].to(x.device, x.dtype)
+
+
+def attended(mask: torch.Tensor | None, batch: int, q: int, keys: int) -> torch.Tensor:
+    """transformers' mask [B, 1, q, >= keys] (bool: True attends; float: 0 attends) or None (causal
+    over the cache: the q queries are its last q positions) -> bool [B, q, keys]."""
+    if mask is None:
+        cols = torch.arange(keys)
+        return (cols[None, :] <= cols[keys - q :, None]).expand(batch, q, keys)
+    if mask.shape[1] != 1:
+        raise BatchspecError("--batch-invariant: per-head attention masks are not supported")
+    mask = mask[:, 0, :, :keys]
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+class Plan:
+    """Where each query's canonical keys are, for one forward (every layer shares it).
+
+    union: every key some query of the row attends, in buffer order: `uidx` [B, NU] (NU a multiple
+    of BLOCK; 0 past the row's count), `uvalid` [B, q, NU]: query i attends union rank r (r below
+    its count when its keys are the union's first ones, else below its count rounded down to a
+    BLOCK: the rest of its keys then come from its tail). tail (a tree's branches): `tidx`,
+    `tvalid` [B, q, NT]: query i's canonical ranks from that block boundary on, or None."""
+
+    def __init__(self, att: torch.Tensor):
+        b, q, keys = att.shape
+        union = att.any(1)  # [B, L]
+        count_u = union.sum(-1)
+        nu = BLOCK * max(1, math.ceil(int(count_u.max()) / BLOCK))
+        self.uidx = _positions(union, nu)  # [B, NU]
+        ranks = torch.arange(nu)
+        seen = att.gather(2, self.uidx[:, None, :].expand(b, q, nu)) & (ranks < count_u[:, None])[:, None, :]
+        count = att.sum(-1)  # [B, q]
+        lead = seen.long().cumprod(-1).sum(-1)  # the union's first keys query i attends
+        whole = lead == count
+        limit = torch.where(whole, count, lead // BLOCK * BLOCK)
+        self.uvalid = ranks < limit[..., None]  # [B, q, NU]
+        self.tidx = self.tvalid = None
+        if not bool(whole.all()):
+            rest = torch.where(whole, 0, count - limit)
+            nt = BLOCK * math.ceil(int(rest.max()) / BLOCK)
+            own = _positions(att.reshape(b * q, keys), keys).view(b, q, keys)  # query i's r-th key
+            offs = limit[..., None] + torch.arange(nt)  # canonical ranks of the tail
+            self.tvalid = (offs < count[..., None]) & ~whole[..., None]
+            self.tidx = own.gather(2, offs.clamp(max=keys - 1)).masked_fill(~self.tvalid, 0)
+
+
+def _positions(keep: torch.Tensor, width: int) -> torch.Tensor:
+    """keep [N, L] bool -> [N, width] long: the positions where keep is True, in order, then 0s."""
+    order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices
+    order = order.masked_fill(~keep.gather(1, order), 0)
+    if width > keep.shape[1]:
+        order = torch.nn.functional.pad(order, (0, width - keep.shape[1]))
+    return order[:, :width]
+
+
+_last_plan: tuple = (None, None, None)  # (weakref to the mask or None, shape key, Plan)
+
+
+def plan_for(mask: torch.Tensor | None, batch: int, q: int, keys: int) -> Plan:
+    """The Plan of `mask` (made by the forward's first layer, reused by the others)."""
+    global _last_plan
+    ref, key, plan = _last_plan
+    shape = (batch, q, keys)
+    same = (mask is None and ref is None) or (mask is not None and ref is not None and ref() is mask)
+    if plan is not None and same and key == shape:
+        return plan
+    plan = Plan(attended(mask, batch, q, keys))
+    _last_plan = (None if mask is None else weakref.ref(mask), shape, plan)
+    return plan
+
+
+def _rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t [..., R, X] -> [..., max(R, rows), X], zero rows added."""
+    extra = rows - t.shape[-2]
+    return torch.nn.functional.pad(t, (0, 0, 0, extra)) if extra > 0 else t
+
+
+def _blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor):
+    """One set of blocked products. q [N, R, D] (rows of one key set), k [N, nb, BLOCK, D], v [N, nb,
+    BLOCK, D + 1] (a ones column last), valid [N, R, nb * BLOCK] -> (scores [N, nb, R', BLOCK] with
+    -inf where not valid, and a function of the row maxima m [N, R] -> partial sums [N, nb, R, D + 1])."""
+    n, nb = k.shape[:2]
+    rows = max(q.shape[1], MIN_ROWS)
+    qx = _rows(q, rows)[:, None].expand(n, nb, rows, q.shape[2]).reshape(n * nb, rows, q.shape[2])
+    scores = torch.bmm(qx, k.reshape(n * nb, BLOCK, -1).transpose(1, 2)).view(n, nb, rows, BLOCK)
+    scores = scores[:, :, : q.shape[1]]
+    ok = valid.view(n, q.shape[1], nb, BLOCK).transpose(1, 2)  # [N, nb, R, BLOCK]
+    scores = scores.masked_fill(~ok, float("-inf"))
+
+    def partials(m: torch.Tensor) -> torch.Tensor:
+        e = torch.exp(scores - m[:, None, :, None]).masked_fill(~ok, 0.0)
+        e = _rows(e, rows).reshape(n * nb, rows, BLOCK)
+        out = torch.bmm(e, v.reshape(n * nb, BLOCK, -1)).view(n, nb, rows, -1)
+        return out[:, :, : q.shape[1]]
+
+    return scores, partials
+
+
+def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t [B, H, L, D], index [B, ..., N] -> float32 [B, ..., H, N, D]: t[b, :, index[b, ...]]."""
+    b = t.shape[0]
+    rows = torch.arange(b).view(b, *([1] * (index.dim() - 1)))
+    picked = t[rows, :, index]  # [B, ..., N, H, D]
+    return picked.movedim(-2, -3).float().contiguous()
+
+
+def _ones(v: torch.Tensor) -> torch.Tensor:
+    return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Plan, scaling: float) -> torch.Tensor:
+    """query [B, H, q, D], key/value [B, H_kv, L, D] -> [B, q, H, D] in query's dtype, each query
+    reduced over its canonical keys in BLOCKs (module docstring)."""
+    b, heads, q, dim = query.shape
+    kv_heads = key.shape[1]
+    g = heads // kv_heads
+    qf = query.float() * scaling  # [B, H, q, D]; head h reads kv head h // g
+    # union: one key set per (row, kv head); rows (j, i) = the group's head j, query i
+    ku, vu = _gather(key, plan.uidx), _ones(_gather(value, plan.uidx))  # [B, H_kv, NU, D(+1)]
+    nbu = ku.shape[2] // BLOCK
+    n = b * kv_heads
+    qu = qf.reshape(n, g * q, dim)
+    valid_u = plan.uvalid[:, None, None].expand(b, kv_heads, g, q, -1).reshape(n, g * q, -1)
+    su, pu = _blocks(qu, ku.view(n, nbu, BLOCK, dim), vu.view(n, nbu, BLOCK, dim + 1), valid_u)
+    m = su.amax(dim=(1, 3))  # [N, g q]
+    if plan.tidx is not None:  # tree branches: one key set per (row, kv head, query)
+        kt, vt = _gather(key, plan.tidx), _ones(_gather(value, plan.tidx))  # [B, q, H_kv, NT, D(+1)]
+        nbt = kt.shape[3] // BLOCK
+        nt_sets = b * q * kv_heads
+        qt = qf.view(b, kv_heads, g, q, dim).permute(0, 3, 1, 2, 4).reshape(nt_sets, g, dim)
+        valid_t = plan.tvalid[:, :, None, None].expand(b, q, kv_heads, g, -1).reshape(nt_sets, g, -1)
+        st, pt = _blocks(qt, kt.reshape(nt_sets, nbt, BLOCK, dim), vt.reshape(nt_sets, nbt, BLOCK, dim + 1), valid_t)
+        mt = st.amax(dim=(1, 3)).view(b, q, kv_heads, g).permute(0, 2, 3, 1).reshape(n, g * q)
+        m = torch.maximum(m, mt)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    parts = pu(m).view(b, kv_heads, nbu, g, q, dim + 1).permute(0, 1, 3, 4, 2, 5)  # [B, H_kv, g, q, nb, D+1]
+    if plan.tidx is not None:
+        mt = m.view(b, kv_heads, g, q).permute(0, 3, 1, 2).reshape(nt_sets, g)
+        tail = pt(mt).view(b, q, kv_heads, nbt, g, dim + 1).permute(0, 2, 4, 1, 3, 5)
+        parts = torch.cat([parts, tail], dim=4)
+    total = parts.cumsum(dim=4)[:, :, :, :, -1]  # in order, block by block (float64 accumulation)
+    out = total[..., :dim] / total[..., dim:].clamp_min(torch.finfo(torch.float32).tiny)
+    return out.reshape(b, heads, q, dim).transpose(1, 2).to(query.dtype)
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention signature, under the mode (see `attend`)."""
+    unsupported = [n for n in ("softcap", "sliding_window", "position_bias") if kwargs.get(n) is not None]
+    if unsupported or kwargs.get("output_attentions") or dropout:
+        raise BatchspecError(f"--batch-invariant does not support attention with {unsupported or 'dropout'}")
+    b, _, q, dim = query.shape
+    key, value = plain_attention._dense(key, b), plain_attention._dense(value, b)
+    scaling = dim**-0.5 if scaling is None else scaling
+    plan = plan_for(attention_mask, b, q, key.shape[2])
+    return attend(query, key, value, plan, scaling).contiguous(), None
+
+
+AttentionInterface.register(NAME, attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)
