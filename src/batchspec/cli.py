@@ -601,6 +601,8 @@ def start_ranks(args, argv: list[str]) -> int | None:
     others run the same loop silently."""
     if args.command == "serve":
         serve_config(args)  # every check that needs no model, before the ranks start
+    if hasattr(args, "batch_invariant"):
+        invariant_modes(args)
     tp.check(target_config(args.pair, args.target), args.tp)
     status = tp.launch(args.tp, argv)
     if status is not None:

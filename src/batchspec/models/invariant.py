@@ -7,9 +7,11 @@ break this: BLAS picks its path by matrix shape, and attention reduces over what
 padding the batch has. Under this mode (`install(model)`) every reduction in the target's forward
 is made independent of the batch, by construction:
 
-- **Linear layers and the LM head** take oneDNN's matmul over a packed weight for every row count
-  (linears.FormTable.fixed): its per-row result does not depend on M (measured for M = 1 .. 2,048,
-  float32 and bfloat16), unlike `F.linear`, whose float32 M = 1 and bfloat16 K = 1,536 paths differ.
+- **Linear layers and the LM head** take oneDNN's matmul over a packed weight for every row count,
+  one row padded to LINEAR_MIN_ROWS (`linear_form`, linears.FormTable.fixed): from 2 rows on its
+  per-row result does not depend on M (measured for M = 2 .. 2,100, K up to 8,192, float32 and
+  bfloat16); one row takes a matrix-vector path that differs once K >= 1,536. `F.linear` differs
+  more (float32 at every M < 4, bfloat16 at K = 1,536).
 - **Attention** (`attention`) reduces each query over its keys in *canonical order*: the keys it
   attends, numbered 0, 1, 2, .. by absolute position (padding, holes and a tree's other branches
   removed), cut into blocks of BLOCK. Per block, scores and the weighted values (with a ones column:
@@ -48,8 +50,8 @@ NAME = "batchspec_invariant"
 BLOCK = 64
 #: Fewest rows a matmul of the mode is given (padded with zeros): below 4, float32 MKL takes other paths.
 MIN_ROWS = 16
-#: The linear layers' formulation under the mode (linears.FORMS).
-LINEAR_FORM = "onednn"
+#: Fewest rows the mode's linear layers multiply (padded with zeros): one row takes another path.
+LINEAR_MIN_ROWS = 4
 
 
 def installed(model: torch.nn.Module) -> bool:
@@ -71,7 +73,7 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
         raise BatchspecError("--batch-invariant needs the model's linear layers tuned (models.linears.tune_linears)")
     for table in tables.values():
         _check_onednn(table)
-        table.fixed = LINEAR_FORM
+        table.fixed = linear_form(table)
     rotary = _rotary(model)
     rotary.forward = types.MethodType(_RotaryTable(rotary).forward, rotary)
     model.config._attn_implementation = NAME
@@ -89,6 +91,19 @@ def uninstall(model: torch.nn.Module) -> torch.nn.Module:
     del rotary.forward  # the class's method again
     model.config._attn_implementation = plain_attention.NAME
     return model
+
+
+def linear_form(table: FormTable):
+    """The mode's linear formulation: x [M, I], weight [O, I], bias -> [M, O] by `table`'s oneDNN
+    matmul, M padded to at least LINEAR_MIN_ROWS."""
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.shape[0]
+        padded = _rows(x, LINEAR_MIN_ROWS)
+        out = table.onednn(padded, weight, bias)
+        return out if padded is x else out[:rows]
+
+    return linear
 
 
 def _check_onednn(table: FormTable) -> None:

@@ -83,12 +83,12 @@ class FormTable:
         self.packed: dict[int, tuple] = {}  # id(weight) -> (weight, (version, address), packed copy)
         self.identity = identity  # () -> the model's diskcache.model_identity; None: not kept on disk
         self._recalled = False
-        self.fixed: str | None = None  # one formulation for every row count (invariant.py), else timed
+        self.fixed = None  # one formulation (x, weight, bias) -> out for every row count (invariant.py), else timed
 
 
     def form(self, rows: int):
         if self.fixed is not None:
-            return self.function(self.fixed)
+            return self.fixed
         key = bucket(rows)
         name = self.choice.get(key) or self._recall(key)
         if name is None:
