@@ -205,4 +205,4 @@ def test_bench_runs_chains_and_trees_side_by_side(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert " 2/2 " in printed and " 2/3x1 " in printed
     assert main(["verify", *argv, "--quiet", "a b"]) == 2
-    assert "one --branches value" in capsys.readouterr().err
+    assert "one -k, --branches and --batch-invariant value" in capsys.readouterr().err

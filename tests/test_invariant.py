@@ -259,3 +259,26 @@ def test_verify_cli_reports_zero_logprob_difference(tmp_path, capsys):
 
     runs = json.loads(out.read_text())["runs"]
     assert all(r["exact_match"] == 1.0 and r["max_logprob_diff"] == 0.0 and r["batch_invariant"] for r in runs)
+
+
+def test_bench_runs_both_modes_paired(tmp_path, capsys):
+    """bench --batch-invariant off,on: every method in both modes, each on-run with its paired
+    ratio to the off-run of the same repeat; the model is left in the last run's mode."""
+    import json
+
+    out = tmp_path / "b.json"
+    args = ["bench", "--pair", "tiny", "--dtype", "bfloat16", "--methods", "ar,ragged", "--batch-sizes", "2"]
+    extra = ["-k", "3", "--max-new-tokens", "8", "--repeats", "2", "--quiet", "--limit", "2", "--json", str(out)]
+    assert main([*args, "--batch-invariant", "off,on", *extra]) == 0
+    text = capsys.readouterr().out
+    assert "--batch-invariant: " in text and "* = under --batch-invariant" in text
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted((r["method"], r["batch_invariant"]) for r in runs) == [
+        ("ar", False),
+        ("ar", True),
+        ("ragged", False),
+        ("ragged", True),
+    ]
+    for r in runs:
+        if r["batch_invariant"]:
+            assert len(r["vs_mode_off_repeats"]) == 2 and r["vs_mode_off_paired"] > 0

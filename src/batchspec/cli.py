@@ -500,7 +500,11 @@ def cmd_bench(args) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise BatchspecError("--plot needs matplotlib: pip install 'batchspec[plot]'")
     params, names, batch_sizes, prompts, pair = comparison_inputs(args)
-    options = engine_options(args) | {"k": k_values(args.k), "branches": branch_values(args.branches)}
+    options = engine_options(args) | {
+        "k": k_values(args.k),
+        "branches": branch_values(args.branches),
+        "batch_invariant": invariant_modes(args),
+    }
     report = bench.bench(
         pair, prompts, names, batch_sizes, params, repeats=args.repeats, progress=not args.quiet, **options
     )

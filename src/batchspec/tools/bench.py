@@ -65,23 +65,28 @@ class PeakMemory:
         return out
 
 
-def combos(names: list[str], batch_sizes: list[int], ks: list = (4,), branches: list = (1,)) -> list[tuple]:
-    """(method, batch size, k, branches): one-at-a-time methods at batch 1 only, k and branches only
-    for speculative ones."""
+def combos(
+    names: list[str], batch_sizes: list[int], ks: list = (4,), branches: list = (1,), modes: list = (None,)
+) -> list[tuple]:
+    """(method, batch size, k, branches, batch-invariant mode): one-at-a-time methods at batch 1
+    only, k and branches only for speculative ones."""
     out = []
     for m in names:
         spec = methods.get(m)
         for b in batch_sizes if spec.batched else [1]:
-            out += [(m, b, k, c) for c in branches for k in ks] if spec.speculative else [(m, b, None, None)]
+            for mode in modes:
+                settings = [(k, c) for c in branches for k in ks] if spec.speculative else [(None, None)]
+                out += [(m, b, k, c, mode) for k, c in settings]
     return out
 
 
-def run_one(pair, prompts, method, batch, k, branches, params, proposer, options, decoders=None) -> dict:
+def run_one(pair, prompts, method, batch, k, branches, mode, params, proposer, options, decoders=None) -> dict:
     """One run; `decoders` keeps each configuration's decoder across repeats (what `auto` learned
     in the warm-up carries over, as in a long-running engine)."""
     tree = {} if k is None else {"k": k, "branches": branches}
+    options = options | {"batch_invariant": mode}
     config = EngineConfig(method=method, batch_size=batch, proposer=proposer, **options, **tree)
-    key = (method, batch, k, branches)
+    key = (method, batch, k, branches, mode)
     dec = decoders.get(key) if decoders is not None else None
     if dec is None:
         dec = SpecDecoder(pair, config)
@@ -103,17 +108,20 @@ def bench(
     repeats=1,
     progress=True,
     branches=(1,),
+    batch_invariant=None,
     **options,
 ) -> dict:
-    """Run everything; returns the JSON-ready report. `k`, `branches`: a value or a list of them,
-    each pair run with every speculative method. `options`: further EngineConfig fields
-    (window_size, min_group, kv_budget_tokens, ...) for every run."""
+    """Run everything; returns the JSON-ready report. `k`, `branches`, `batch_invariant`: a value
+    or a list of them, each pair run with every speculative method (every method, for the modes).
+    `options`: further EngineConfig fields (window_size, min_group, kv_budget_tokens, ...) for
+    every run."""
     ks = list(k) if isinstance(k, (list, tuple)) else [k]
     brs = list(branches) if isinstance(branches, (list, tuple)) else [branches]
-    runs = combos(names, batch_sizes, ks, brs)
+    modes = list(batch_invariant) if isinstance(batch_invariant, (list, tuple)) else [batch_invariant]
+    runs = combos(names, batch_sizes, ks, brs, modes)
     decoders: dict = {}
-    for method, batch, kk, br in tqdm(runs, desc="warm-up", disable=not progress, leave=False):
-        run_one(pair, prompts[:2], method, batch, kk, br, SamplingParams(max_new_tokens=8), proposer, options, decoders)
+    for c in tqdm(runs, desc="warm-up", disable=not progress, leave=False):
+        run_one(pair, prompts[:2], *c, SamplingParams(max_new_tokens=8), proposer, options, decoders)
     samples: dict = {c: [] for c in runs}
     total = len(runs) * repeats
     with tqdm(total=total, desc="bench", disable=not progress, leave=False) as bar:
@@ -127,7 +135,7 @@ def bench(
     has_draft = drafter is not None
     context = int(statistics.mean(len(p) for p in _encoded(pair, prompts)) + params.max_new_tokens / 2)
     widths = max(
-        (tree.columns(br, EngineConfig(method=m, k=kk).k_max) for m, _, kk, br in runs if kk is not None), default=0
+        (tree.columns(br, EngineConfig(method=m, k=kk).k_max) for m, _, kk, br, _ in runs if kk is not None), default=0
     )
     costs = cost_table(pair.target, drafter, sorted({c[1] for c in runs}), widths, context)
     report_runs = [_summarise(*c, samples[c], costs, has_draft) for c in runs]
@@ -140,6 +148,7 @@ def bench(
         "models": pair.describe(),
         "k": ks,
         "branches": brs,
+        "batch_invariant": modes,
         "max_new_tokens": params.max_new_tokens,
         "n_prompts": len(prompts),
         "repeats": repeats,
@@ -151,7 +160,7 @@ def _encoded(pair, prompts):
     return [pair.encode(p) for p in prompts]
 
 
-def _summarise(method, batch, k, branches, samples, costs, has_draft) -> dict:
+def _summarise(method, batch, k, branches, mode, samples, costs, has_draft) -> dict:
     """Median over repeats of throughput; the rest from the median run."""
     ordered = sorted(samples, key=lambda s: s["tokens_per_s"])
     mid = ordered[len(ordered) // 2]
@@ -180,7 +189,7 @@ def _summarise(method, batch, k, branches, samples, costs, has_draft) -> dict:
         "speculation",
     )
     return (
-        {"method": method, "batch_size": batch, "k": k, "branches": branches}
+        {"method": method, "batch_size": batch, "k": k, "branches": branches, "batch_invariant": mode}
         | {key: mid[key] for key in keys if key in mid}
         | {
             "tokens_per_s_repeats": [s["tokens_per_s"] for s in samples],
@@ -191,11 +200,17 @@ def _summarise(method, batch, k, branches, samples, costs, has_draft) -> dict:
 
 
 def _ratios(runs: list[dict]) -> None:
-    ar = {r["batch_size"]: r["tokens_per_s"] for r in runs if r["method"] == methods.PLAIN_BASELINE}
-    spec1 = {(r["k"], r["branches"]): r["tokens_per_s"] for r in runs if r["method"] == methods.SPEC_BASELINE}
+    """vs_ar and vs_spec1, each against the run in the same batch-invariant mode."""
+    ar = {(r["batch_size"], r["batch_invariant"]): r["tokens_per_s"] for r in runs if r["method"] == methods.PLAIN_BASELINE}
+    spec1 = {
+        (r["k"], r["branches"], r["batch_invariant"]): r["tokens_per_s"]
+        for r in runs
+        if r["method"] == methods.SPEC_BASELINE
+    }
     for r in runs:
-        r["vs_ar"] = r["tokens_per_s"] / ar[r["batch_size"]] if r["batch_size"] in ar else None
-        base = spec1.get((r["k"], r["branches"])) or next(iter(spec1.values()), None)  # same k and branches
+        mode = r["batch_invariant"]
+        r["vs_ar"] = r["tokens_per_s"] / ar[r["batch_size"], mode] if (r["batch_size"], mode) in ar else None
+        base = spec1.get((r["k"], r["branches"], mode)) or next(iter(spec1.values()), None)  # same k and branches
         r["vs_spec1"] = r["tokens_per_s"] / base if base else None
 
 
@@ -205,14 +220,20 @@ def _paired(runs: list[dict], samples: dict) -> None:
     best of `ar` and the same method's fixed ks (any branches) at the same batch size."""
     rates = {c: [s["tokens_per_s"] for s in v] for c, v in samples.items()}
     for r in runs:
-        mine, batch = rates[(r["method"], r["batch_size"], r["k"], r["branches"])], r["batch_size"]
-        ar = rates.get((methods.PLAIN_BASELINE, batch, None, None))
+        mode, batch = r["batch_invariant"], r["batch_size"]
+        mine = rates[(r["method"], batch, r["k"], r["branches"], mode)]
+        ar = rates.get((methods.PLAIN_BASELINE, batch, None, None, mode))
         r["vs_ar_paired"] = statistics.median(_ratios_per_repeat(mine, [ar])) if ar else None
+        if mode:  # what the mode costs: against the same run with plain kernels, repeat by repeat
+            off = rates.get((r["method"], batch, r["k"], r["branches"], False))
+            each = _ratios_per_repeat(mine, [off]) if off else None
+            r["vs_mode_off_paired"] = statistics.median(each) if each else None
+            r["vs_mode_off_repeats"] = each
         if r["k"] == "auto":
             rivals = [
                 v
-                for (m, b, k, _), v in rates.items()
-                if b == batch and k != "auto" and m in (methods.PLAIN_BASELINE, r["method"])
+                for (m, b, k, _, md), v in rates.items()
+                if b == batch and md == mode and k != "auto" and m in (methods.PLAIN_BASELINE, r["method"])
             ]
             each = _ratios_per_repeat(mine, rivals) if rivals else None
             r["auto_vs_best"] = statistics.median(each) if each else None
@@ -257,7 +278,7 @@ def table(report: dict) -> str:
     for r in report["runs"]:
         sh = r["time_share"]
         lines.append(
-            f"{r['method']:<9}{r['batch_size']:>4}{setting(r):>7}"
+            f"{r['method'] + ('*' if r.get('batch_invariant') else ''):<9}{r['batch_size']:>4}{setting(r):>7}"
             f"{r['tokens_per_s']:>9.1f}{r['decode_tokens_per_s']:>9.1f}"
             f"{r['mean_tokens_per_step']:>9.2f}{fmt(r['vs_ar'], '>7.2f')}{fmt(r['vs_spec1'], '>9.2f')}"
             f"{r['speed_of_light_tokens_per_s']:>8.1f}{r['efficiency']:>6.2f}"
@@ -266,6 +287,15 @@ def table(report: dict) -> str:
                 for s, w in (("draft", 7), ("verify", 7), ("realign", 8), ("schedule", 7), ("prefill", 8), ("other", 7))
             )
         )
+    if any(r.get("batch_invariant") for r in report["runs"]):
+        lines.append("* = under --batch-invariant")
+    for r in report["runs"]:
+        if r.get("vs_mode_off_paired") is not None:
+            each = ", ".join(f"{x:.2f}" for x in r["vs_mode_off_repeats"])
+            lines.append(
+                f"{r['method']} -k {setting(r)} at B = {r['batch_size']}, --batch-invariant: "
+                f"{r['vs_mode_off_paired']:.2f} x the same run with plain kernels (paired repeats: {each})"
+            )
     for r in report["runs"]:
         if r.get("auto_vs_best") is not None:
             each = ", ".join(f"{x:.2f}" for x in r["auto_vs_best_repeats"])
