@@ -484,3 +484,31 @@ def test_the_kv_budget_check_counts_a_trees_nodes_per_depth():
     service = build(8)
     assert service.k == 6
     service.engine.shutdown()
+
+
+def test_a_batch_invariant_bfloat16_server_answers_concurrent_clients_as_the_target_alone():
+    """`serve --dtype bfloat16 --batch-invariant`: concurrent greedy requests (rows of one batch,
+    admitted mid-flight) get the bf16 target's own tokens and logprobs, bit for bit."""
+    import torch
+
+    from batchspec import EngineConfig, SamplingParams, SpecDecoder, tiny_pair
+
+    pair = tiny_pair(dtype=torch.bfloat16)
+    ref = SpecDecoder(pair, EngineConfig(method="reference", batch_invariant=True))
+    prompts = random_prompts(21, 5, 1, 80)
+    params = SamplingParams(max_new_tokens=16, logprobs=0)
+    want = [ref.generate([p], params)[0] for p in prompts]
+    srv = Server("--dtype", "bfloat16", "--batch-invariant", "-k", "3", "--batch-size", "4")
+    try:
+
+        async def ask(p):
+            return await srv.aclient.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0, logprobs=0)
+
+        async def all_of():
+            return await asyncio.gather(*(ask(p) for p in prompts))
+
+        for out, w in zip(asyncio.run(all_of()), want):
+            assert _ids(out) == w.token_ids
+            assert out.choices[0].logprobs.token_logprobs == [e.logprob for e in w.logprobs]
+    finally:
+        assert srv.stop() == 0

@@ -119,11 +119,7 @@ class SpecDecoder:
 
     def _apply_mode(self) -> None:
         """Put the target under the batch-invariant mode or take it out, as the config says."""
-        mode = self.config.batch_invariant
-        if mode and tp.active():
-            raise BatchspecError("--batch-invariant does not run with --tp: the all-reduce order would vary")
-        if mode is not None:
-            (invariant.install if mode else invariant.uninstall)(self.pair.target)
+        invariant.apply(self.pair.target, self.config.batch_invariant)
 
     def prepare(self, plain: bool = False) -> None:
         """Take now the measurements the first run would take (or find them in the cache); `plain`:

@@ -42,6 +42,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..core.errors import BatchspecError
+from ..distributed import tp
 from . import attention as plain_attention
 from .linears import FormTable, TunedLinear
 
@@ -52,6 +53,15 @@ BLOCK = 64
 MIN_ROWS = 16
 #: Fewest rows the mode's linear layers multiply (padded with zeros): one row takes another path.
 LINEAR_MIN_ROWS = 4
+
+
+def apply(model: torch.nn.Module, mode: bool | None) -> None:
+    """Put `model` under the mode (True), take it out (False) or leave it (None), as an
+    EngineConfig's `batch_invariant` says."""
+    if mode and tp.active():
+        raise BatchspecError("--batch-invariant does not run with --tp: the all-reduce order would vary")
+    if mode is not None:
+        (install if mode else uninstall)(model)
 
 
 def installed(model: torch.nn.Module) -> bool:

@@ -39,6 +39,7 @@ from ..engine.lockstep import LockstepEngine
 from ..engine.online import Chunk, OnlineEngine, QueueFull, ShuttingDown
 from ..engine.online import Request as EngineRequest
 from ..engine.step import Context
+from ..models import invariant
 from ..policy.speculation import prepare
 from ..proposers.make import make_proposer
 from . import access
@@ -392,6 +393,7 @@ def run_cli(config: ServeConfig) -> int:
 def build_service(config: ServeConfig) -> Service:
     """The pair, the proposer and the online engine of a `ServeConfig`."""
     pair = config.models.load()
+    invariant.apply(pair.target, config.engine.batch_invariant)
     proposer, _ = (None, None) if config.no_spec else make_proposer(pair, config.engine)
     speculation, report = prepare(config.engine, pair.target, proposer)  # from the cache where it has them
     ctx = Context.of(pair, proposer, config.k, speculation)
