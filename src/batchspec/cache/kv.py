@@ -160,6 +160,7 @@ def gather(cache: BufferCache, rows: torch.Tensor, index: torch.Tensor, full_bat
         for old in (layer.keys, layer.values):
             src = old[:, :, : layer.width] if full_batch else old[:, :, : layer.width].index_select(0, rows)
             out = src.new_empty(src.shape[0], src.shape[1], width_ + RESERVE, src.shape[3])
+            out[:, :, width_:].zero_()  # never garbage: attention may read (and mask) past the width
             idx = index[:, None, :, None].expand(-1, src.shape[1], -1, src.shape[3])
             torch.gather(src, 2, idx, out=out[:, :, :width_])
             new.append(out)

@@ -50,7 +50,7 @@ NAME = "batchspec_invariant"
 #: Keys per block of the attention's reduction, at canonical ranks 0, BLOCK, 2 BLOCK, ..
 BLOCK = 64
 #: Fewest rows a matmul of the mode is given (padded with zeros): below 4, float32 MKL takes other paths.
-MIN_ROWS = 16
+MIN_ROWS = 4
 #: Fewest rows the mode's linear layers multiply (padded with zeros): one row takes another path.
 LINEAR_MIN_ROWS = 4
 
@@ -193,6 +193,8 @@ class Plan:
         count_u = union.sum(-1)
         nu = BLOCK * max(1, math.ceil(int(count_u.max()) / BLOCK))
         self.uidx = _positions(union, nu)  # [B, NU]
+        ranks_u = torch.arange(nu).expand(b, nu)
+        self.aligned = bool(((self.uidx == ranks_u) | (ranks_u >= count_u[:, None])).all())  # rank r at slot r
         ranks = torch.arange(nu)
         seen = att.gather(2, self.uidx[:, None, :].expand(b, q, nu)) & (ranks < count_u[:, None])[:, None, :]
         count = att.sum(-1)  # [B, q]
@@ -236,30 +238,53 @@ def plan_for(mask: torch.Tensor | None, batch: int, q: int, keys: int) -> Plan:
 
 
 def _rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """t [..., R, X] -> [..., max(R, rows), X], zero rows added."""
+    """t [..., R, X] -> [..., max(R, rows), X], zero rows added (only those are filled)."""
     extra = rows - t.shape[-2]
-    return torch.nn.functional.pad(t, (0, 0, 0, extra)) if extra > 0 else t
+    if extra <= 0:
+        return t
+    out = t.new_empty(*t.shape[:-2], rows, t.shape[-1])
+    out[..., : t.shape[-2], :] = t
+    out[..., t.shape[-2] :, :] = 0
+    return out
 
 
-def _blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor):
-    """One set of blocked products. q [N, R, D] (rows of one key set), k [N, nb, BLOCK, D], v [N, nb,
-    BLOCK, D + 1] (a ones column last), valid [N, R, nb * BLOCK] -> (scores [N, nb, R', BLOCK] with
-    -inf where not valid, and a function of the row maxima m [N, R] -> partial sums [N, nb, R, D + 1])."""
-    n, nb = k.shape[:2]
-    rows = max(q.shape[1], MIN_ROWS)
-    qx = _rows(q, rows)[:, None].expand(n, nb, rows, q.shape[2]).reshape(n * nb, rows, q.shape[2])
-    scores = torch.bmm(qx, k.reshape(n * nb, BLOCK, -1).transpose(1, 2)).view(n, nb, rows, BLOCK)
-    scores = scores[:, :, : q.shape[1]]
-    ok = valid.view(n, q.shape[1], nb, BLOCK).transpose(1, 2)  # [N, nb, R, BLOCK]
-    scores = scores.masked_fill(~ok, float("-inf"))
+def _scores(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """q [N, r, D], k [N, S, D] (S a multiple of BLOCK), valid [N, r, S] (or broadcastable) ->
+    scaled scores q k^T [N, r, S] in float32, -inf where not valid. One product per key set, rows
+    padded to MIN_ROWS: a score's bits depend on neither the row count nor S (>= 12) (measured)."""
+    r = q.shape[1]
+    scores = torch.bmm(_rows(q, MIN_ROWS), k.transpose(1, 2))[:, :r]
+    return scores.masked_fill_(~valid, float("-inf"))
 
-    def partials(m: torch.Tensor) -> torch.Tensor:
-        e = torch.exp(scores - m[:, None, :, None]).masked_fill(~ok, 0.0)
-        e = _rows(e, rows).reshape(n * nb, rows, BLOCK)
-        out = torch.bmm(e, v.reshape(n * nb, BLOCK, -1)).view(n, nb, rows, -1)
-        return out[:, :, : q.shape[1]]
 
-    return scores, partials
+def _partials(e: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """e [N, r, S] (softmax numerators, 0 where masked), v [N, S, D] -> each BLOCK's sum of e v
+    [N, S / BLOCK, r, D], by products of fixed shape [MIN_ROWS+, BLOCK] x [BLOCK, D]."""
+    n, r, s = e.shape
+    nb, dim = s // BLOCK, v.shape[-1]
+    blocks = _rows(e.view(n, r, nb, BLOCK).transpose(1, 2), MIN_ROWS)  # [N, nb, R, BLOCK]
+    rows = blocks.shape[2]
+    out = torch.bmm(blocks.reshape(n * nb, rows, BLOCK), v.reshape(n * nb, BLOCK, dim))
+    return out.view(n, nb, rows, dim)[:, :, :r]
+
+
+def _block_sums(e: torch.Tensor) -> torch.Tensor:
+    """e [N, r, S] -> each BLOCK's sum [N, r, S / BLOCK] (a reduction of fixed length)."""
+    return e.view(*e.shape[:-1], e.shape[-1] // BLOCK, BLOCK).sum(-1)
+
+
+def _union(t: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """t [B, H_kv, L, D] -> float32 [B, H_kv, NU, D]: the union's keys (or values) by rank; a view
+    (float32) or one converting copy when the buffer already holds rank r at position r."""
+    nu = plan.uidx.shape[1]
+    if not plan.aligned:
+        return _gather(t, plan.uidx)
+    if t.shape[2] >= nu:
+        return t[:, :, :nu].float()
+    out = t.new_empty(*t.shape[:2], nu, t.shape[3], dtype=torch.float32)
+    out[:, :, : t.shape[2]] = t
+    out[:, :, t.shape[2] :] = 0
+    return out
 
 
 def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -270,43 +295,43 @@ def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return picked.movedim(-2, -3).float().contiguous()
 
 
-def _ones(v: torch.Tensor) -> torch.Tensor:
-    return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
-
-
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Plan, scaling: float) -> torch.Tensor:
     """query [B, H, q, D], key/value [B, H_kv, L, D] -> [B, q, H, D] in query's dtype, each query
-    reduced over its canonical keys in BLOCKs (module docstring)."""
+    reduced over its canonical keys (module docstring): the softmax's maximum over all of them,
+    its numerator and denominator per BLOCK, then the blocks in order (cumsum: float64 accumulation; masked keys and empty blocks add exact zeros)."""
     b, heads, q, dim = query.shape
     kv_heads = key.shape[1]
-    g = heads // kv_heads
-    qf = query.float() * scaling  # [B, H, q, D]; head h reads kv head h // g
-    # union: one key set per (row, kv head); rows (j, i) = the group's head j, query i
-    ku, vu = _gather(key, plan.uidx), _ones(_gather(value, plan.uidx))  # [B, H_kv, NU, D(+1)]
-    nbu = ku.shape[2] // BLOCK
-    n = b * kv_heads
-    qu = qf.reshape(n, g * q, dim)
-    valid_u = plan.uvalid[:, None, None].expand(b, kv_heads, g, q, -1).reshape(n, g * q, -1)
-    su, pu = _blocks(qu, ku.view(n, nbu, BLOCK, dim), vu.view(n, nbu, BLOCK, dim + 1), valid_u)
-    m = su.amax(dim=(1, 3))  # [N, g q]
-    if plan.tidx is not None:  # tree branches: one key set per (row, kv head, query)
-        kt, vt = _gather(key, plan.tidx), _ones(_gather(value, plan.tidx))  # [B, q, H_kv, NT, D(+1)]
-        nbt = kt.shape[3] // BLOCK
-        nt_sets = b * q * kv_heads
-        qt = qf.view(b, kv_heads, g, q, dim).permute(0, 3, 1, 2, 4).reshape(nt_sets, g, dim)
-        valid_t = plan.tvalid[:, :, None, None].expand(b, q, kv_heads, g, -1).reshape(nt_sets, g, -1)
-        st, pt = _blocks(qt, kt.reshape(nt_sets, nbt, BLOCK, dim), vt.reshape(nt_sets, nbt, BLOCK, dim + 1), valid_t)
-        mt = st.amax(dim=(1, 3)).view(b, q, kv_heads, g).permute(0, 2, 3, 1).reshape(n, g * q)
-        m = torch.maximum(m, mt)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    parts = pu(m).view(b, kv_heads, nbu, g, q, dim + 1).permute(0, 1, 3, 4, 2, 5)  # [B, H_kv, g, q, nb, D+1]
+    g = heads // kv_heads  # head h reads kv head h // g
+    n, rows = b * kv_heads, g * q  # union: one key set per (row, kv head); its rows (head j, query i)
+    qf = query.float() * scaling
+    ku, vu = _union(key, plan), _union(value, plan)  # [B, H_kv, NU, D]
+    nu = ku.shape[2]
+    valid = plan.uvalid[:, None, None]  # [B, 1, 1, q, NU]
+    su = _scores(qf.reshape(n, rows, dim), ku.reshape(n, nu, dim), valid.expand(b, kv_heads, g, q, nu).reshape(n, rows, nu))
+    m = su.amax(-1)  # [N, g q]
+    tail = None
+    if plan.tidx is not None:  # a tree's branches: one key set per (row, query, kv head), its g heads
+        kt, vt = _gather(key, plan.tidx), _gather(value, plan.tidx)  # [B, q, H_kv, NT, D]
+        nt, sets = kt.shape[3], b * q * kv_heads
+        qt = qf.view(b, kv_heads, g, q, dim).permute(0, 3, 1, 2, 4).reshape(sets, g, dim)
+        valid_t = plan.tvalid[:, :, None, None, :].expand(b, q, kv_heads, g, nt).reshape(sets, g, nt)
+        st = _scores(qt, kt.reshape(sets, nt, dim), valid_t)
+        to_union = lambda t: t.view(b, q, kv_heads, g, *t.shape[2:]).movedim(1, 3).reshape(n, rows, *t.shape[2:])  # noqa: E731
+        m = torch.maximum(m, to_union(st.amax(-1)))
+    m = torch.where(torch.isfinite(m), m, 0.0)[..., None]  # a query without keys: zeros out
+    eu = torch.exp(su - m)  # masked: exp(-inf) = 0
+    parts = _partials(eu, vu.reshape(n, nu, dim))  # [N, nbu, g q, D]
+    weights = eu
     if plan.tidx is not None:
-        mt = m.view(b, kv_heads, g, q).permute(0, 3, 1, 2).reshape(nt_sets, g)
-        tail = pt(mt).view(b, q, kv_heads, nbt, g, dim + 1).permute(0, 2, 4, 1, 3, 5)
-        parts = torch.cat([parts, tail], dim=4)
-    total = parts.cumsum(dim=4)[:, :, :, :, -1]  # in order, block by block (float64 accumulation)
-    out = total[..., :dim] / total[..., dim:].clamp_min(torch.finfo(torch.float32).tiny)
-    return out.reshape(b, heads, q, dim).transpose(1, 2).to(query.dtype)
+        to_sets = lambda t: t.view(b, kv_heads, g, q, *t.shape[2:]).movedim(3, 1).reshape(sets, g, *t.shape[2:])  # noqa: E731
+        et = torch.exp(st - to_sets(m))
+        tail_parts = _partials(et, vt.reshape(sets, nt, dim))  # [sets, nbt, g, D]
+        parts = torch.cat([parts, to_union(tail_parts.transpose(1, 2)).transpose(1, 2)], dim=1)
+        weights = torch.cat([eu, to_union(et)], dim=-1)
+    num = parts.cumsum(dim=1)[:, -1]  # [N, g q, D]
+    den = _block_sums(weights).cumsum(dim=-1)[..., -1:]  # [N, g q, 1]
+    out = num / den.clamp_min(torch.finfo(torch.float32).tiny)
+    return out.view(b, heads, q, dim).transpose(1, 2).to(query.dtype)
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
