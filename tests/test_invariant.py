@@ -71,7 +71,7 @@ def test_attention_chains_and_padding_equal_each_query_alone(dtype, heads, kv_he
         holes = [rng.randrange(0, 3) for _ in ends]  # masked keys inside the row, as rejected drafts leave
         width = max(p + e + h for p, e, h in zip(pads, ends, holes))
         rows_q, rows_k, rows_v, masks = [], [], [], []
-        for pad, end, hole in zip(pads, ends, holes):
+        for end, hole in zip(ends, holes):  # the row's left padding: width minus its keys and hole
             keep = list(range(end))
             cols = torch.full((width,), -1)
             at = width - (end + hole)  # right-aligned, `hole` masked columns before the last n_q keys
@@ -201,7 +201,8 @@ def test_every_method_equals_the_reference_under_the_mode(mode_pair, seed, metho
     prompts = random_prompts(seed, 6, 1, 100)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=2)
     ref = [_outputs(mode_pair, [p], params, method="reference")[0] for p in prompts]
-    got = _outputs(mode_pair, prompts, params, method=method, batch_size=batch, k=k, branches=branches, proposer="eagle")
+    config = dict(method=method, batch_size=batch, k=k, branches=branches, proposer="eagle")
+    got = _outputs(mode_pair, prompts, params, **config)
     for r, g in zip(ref, got):
         assert g.token_ids == r.token_ids
         assert [e.logprob for e in g.logprobs] == [e.logprob for e in r.logprobs]

@@ -502,7 +502,9 @@ def test_a_batch_invariant_bfloat16_server_answers_concurrent_clients_as_the_tar
     try:
 
         async def ask(p):
-            return await srv.aclient.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0, logprobs=0)
+            return await srv.aclient.completions.create(
+                model="tiny", prompt=p, max_tokens=16, temperature=0, logprobs=0
+            )
 
         async def all_of():
             return await asyncio.gather(*(ask(p) for p in prompts))

@@ -248,13 +248,11 @@ def _rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """q [N, r, D], k [N, S, D] (S a multiple of BLOCK), valid [N, r, S] (or broadcastable) ->
-    scaled scores q k^T [N, r, S] in float32, -inf where not valid. One product per key set, rows
-    padded to MIN_ROWS: a score's bits depend on neither the row count nor S (>= 12) (measured)."""
-    r = q.shape[1]
-    scores = torch.bmm(_rows(q, MIN_ROWS), k.transpose(1, 2))[:, :r]
-    return scores.masked_fill_(~valid, float("-inf"))
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [N, r, D], k [N, S, D] (S a multiple of BLOCK) -> scores q k^T [N, r, S] in float32. One
+    product per key set, rows padded to MIN_ROWS: a score's bits depend on neither the row count
+    nor S (>= 12) (measured)."""
+    return torch.bmm(_rows(q, MIN_ROWS), k.transpose(1, 2))[:, : q.shape[1]]
 
 
 def _partials(e: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -298,7 +296,8 @@ def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Plan, scaling: float) -> torch.Tensor:
     """query [B, H, q, D], key/value [B, H_kv, L, D] -> [B, q, H, D] in query's dtype, each query
     reduced over its canonical keys (module docstring): the softmax's maximum over all of them,
-    its numerator and denominator per BLOCK, then the blocks in order (cumsum: float64 accumulation; masked keys and empty blocks add exact zeros)."""
+    its numerator and denominator per BLOCK, then the blocks in order (cumsum: float64
+    accumulation; masked keys and empty blocks add exact zeros)."""
     b, heads, q, dim = query.shape
     kv_heads = key.shape[1]
     g = heads // kv_heads  # head h reads kv head h // g
@@ -306,16 +305,15 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Pl
     qf = query.float() * scaling
     ku, vu = _union(key, plan), _union(value, plan)  # [B, H_kv, NU, D]
     nu = ku.shape[2]
-    valid = plan.uvalid[:, None, None]  # [B, 1, 1, q, NU]
-    su = _scores(qf.reshape(n, rows, dim), ku.reshape(n, nu, dim), valid.expand(b, kv_heads, g, q, nu).reshape(n, rows, nu))
+    su = _scores(qf.reshape(n, rows, dim), ku.reshape(n, nu, dim))
+    su.view(b, kv_heads, g, q, nu).masked_fill_(~plan.uvalid[:, None, None], float("-inf"))  # broadcast, no copy
     m = su.amax(-1)  # [N, g q]
-    tail = None
     if plan.tidx is not None:  # a tree's branches: one key set per (row, query, kv head), its g heads
         kt, vt = _gather(key, plan.tidx), _gather(value, plan.tidx)  # [B, q, H_kv, NT, D]
         nt, sets = kt.shape[3], b * q * kv_heads
         qt = qf.view(b, kv_heads, g, q, dim).permute(0, 3, 1, 2, 4).reshape(sets, g, dim)
         valid_t = plan.tvalid[:, :, None, None, :].expand(b, q, kv_heads, g, nt).reshape(sets, g, nt)
-        st = _scores(qt, kt.reshape(sets, nt, dim), valid_t)
+        st = _scores(qt, kt.reshape(sets, nt, dim)).masked_fill_(~valid_t, float("-inf"))
         to_union = lambda t: t.view(b, q, kv_heads, g, *t.shape[2:]).movedim(1, 3).reshape(n, rows, *t.shape[2:])  # noqa: E731
         m = torch.maximum(m, to_union(st.amax(-1)))
     m = torch.where(torch.isfinite(m), m, 0.0)[..., None]  # a query without keys: zeros out

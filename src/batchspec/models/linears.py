@@ -85,7 +85,6 @@ class FormTable:
         self._recalled = False
         self.fixed = None  # one formulation (x, weight, bias) -> out for every row count (invariant.py), else timed
 
-
     def form(self, rows: int):
         if self.fixed is not None:
             return self.fixed

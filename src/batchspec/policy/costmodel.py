@@ -189,7 +189,7 @@ def probe(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768), fres
     of the machine does not skew one width against the others. Kept per model and shape for the
     process, and on disk (diskcache.py, "step-probes") for later starts on the same machine;
     `fresh` measures again and replaces both."""
-    key = (rows, q_max, spans, kv.entry_dtype(model), model.config._attn_implementation)
+    key = _probe_id(model, rows, q_max, spans)
     per_model = _PROBES.setdefault(model, {})
     if key in per_model and not fresh:
         return per_model[key][0]
@@ -208,8 +208,14 @@ def probe(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768), fres
 
 def from_disk(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768)) -> bool:
     """Whether `probe(model, rows, q_max, spans)` came from the disk cache (not measured here)."""
-    found = _PROBES.get(model, {}).get((rows, q_max, spans, kv.entry_dtype(model)))
+    found = _PROBES.get(model, {}).get(_probe_id(model, rows, q_max, spans))
     return bool(found and found[1])
+
+
+def _probe_id(model, rows: int, q_max: int, spans: tuple[int, int]) -> tuple:
+    """A probe's key in this process: its shape, the entries' dtype, the attention (the
+    batch-invariant mode's costs are its own)."""
+    return (rows, q_max, spans, kv.entry_dtype(model), model.config._attn_implementation)
 
 
 def probe_key(model, rows: int, q_max: int, spans: tuple[int, int]) -> dict:

@@ -201,7 +201,8 @@ def _summarise(method, batch, k, branches, mode, samples, costs, has_draft) -> d
 
 def _ratios(runs: list[dict]) -> None:
     """vs_ar and vs_spec1, each against the run in the same batch-invariant mode."""
-    ar = {(r["batch_size"], r["batch_invariant"]): r["tokens_per_s"] for r in runs if r["method"] == methods.PLAIN_BASELINE}
+    plain = [r for r in runs if r["method"] == methods.PLAIN_BASELINE]
+    ar = {(r["batch_size"], r["batch_invariant"]): r["tokens_per_s"] for r in plain}
     spec1 = {
         (r["k"], r["branches"], r["batch_invariant"]): r["tokens_per_s"]
         for r in runs
