@@ -59,7 +59,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         kwargs.get(name) is not None for name in ("softcap", "sliding_window", "position_bias")
     )  # features only transformers' function implements
     if attention_mask is None or only_stock:
-        key, value = _dense(key, query.shape[0]), _dense(value, query.shape[0])
+        key, value = dense(key, query.shape[0]), dense(value, query.shape[0])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if not isinstance(key, slots.RowParts):
         return _one(module, query, key, value, attention_mask, scaling, dropout).contiguous(), None
@@ -72,7 +72,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     return out, None
 
 
-def _dense(parts, rows: int) -> torch.Tensor:
+def dense(parts, rows: int) -> torch.Tensor:
     """`slots.RowParts` -> one tensor [rows, H_kv, span, D] (zeros past each part's span); a tensor as is."""
     if not isinstance(parts, slots.RowParts):
         return parts

@@ -14,14 +14,14 @@ is made independent of the batch, by construction:
   more (float32 at every M < 4, bfloat16 at K = 1,536).
 - **Attention** (`attention`) reduces each query over its keys in *canonical order*: the keys it
   attends, numbered 0, 1, 2, .. by absolute position (padding, holes and a tree's other branches
-  removed), cut into blocks of BLOCK. Per block, scores and the weighted values (with a ones column:
-  the softmax's denominator) come from batched matmuls of fixed width (BLOCK keys, D or D + 1
-  columns) and at least MIN_ROWS rows, shapes whose per-row results do not depend on the number of
-  rows or matrices (float32 MKL changes path below 4 rows); the blocks are then summed in order by a
-  sequential scan (`cumsum`, float64 accumulation). A masked key contributes an exact zero; a block
-  past a query's last key contributes exact zeros; so the sum is the same for any span, layout or
-  batch. Everything is computed in float32 (bfloat16 inputs are exact in it); the output is rounded
-  to the model's dtype.
+  removed; a `Plan` per forward says where each rank is). Scores come from one batched matmul per
+  key set, its rows padded to MIN_ROWS and its keys a multiple of BLOCK: shapes at which float32
+  MKL gives an entry the same bits for any row or column count (it changes path below 4 rows and
+  12 columns). The weighted values and the softmax's denominator are summed per BLOCK of ranks
+  (matmuls of fixed shape; a reduction of fixed length), then the blocks in order by a sequential
+  scan (`cumsum`, float64 accumulation). A masked key weighs an exact zero, a block past a query's
+  last key adds exact zeros, so the sum is the same for any span, layout or batch. Everything is
+  computed in float32 (bfloat16 inputs are exact in it); the output is rounded to the model's dtype.
 - **Rotary embeddings** come from a table computed once per model (`_RotaryTable`): cos/sin of the
   same position are the same bits whatever the batch (vectorized and scalar cos differ).
 - Norms, activations, residuals and the embedding are row-local already (tests/test_invariant.py
@@ -86,6 +86,7 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
         table.fixed = linear_form(table)
     rotary = _rotary(model)
     rotary.forward = types.MethodType(_RotaryTable(rotary).forward, rotary)
+    model.__dict__["_batchspec_plain_attention"] = model.config._attn_implementation
     model.config._attn_implementation = NAME
     return model
 
@@ -99,7 +100,7 @@ def uninstall(model: torch.nn.Module) -> torch.nn.Module:
             m.table.fixed = None
     rotary = _rotary(model)
     del rotary.forward  # the class's method again
-    model.config._attn_implementation = plain_attention.NAME
+    model.config._attn_implementation = model.__dict__.pop("_batchspec_plain_attention", plain_attention.NAME)
     return model
 
 
@@ -338,7 +339,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     if unsupported or kwargs.get("output_attentions") or dropout:
         raise BatchspecError(f"--batch-invariant does not support attention with {unsupported or 'dropout'}")
     b, _, q, dim = query.shape
-    key, value = plain_attention._dense(key, b), plain_attention._dense(value, b)
+    key, value = plain_attention.dense(key, b), plain_attention.dense(value, b)
     scaling = dim**-0.5 if scaling is None else scaling
     plan = plan_for(attention_mask, b, q, key.shape[2])
     return attend(query, key, value, plan, scaling).contiguous(), None
