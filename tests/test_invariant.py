@@ -272,7 +272,8 @@ def test_bench_runs_both_modes_paired(tmp_path, capsys):
     extra = ["-k", "3", "--max-new-tokens", "8", "--repeats", "2", "--quiet", "--limit", "2", "--json", str(out)]
     assert main([*args, "--batch-invariant", "off,on", *extra]) == 0
     text = capsys.readouterr().out
-    assert "--batch-invariant: " in text and "* = under --batch-invariant" in text
+    assert "(--batch-invariant): " in text and "x the same run with plain kernels" in text
+    assert "* = under --batch-invariant" in text
     runs = json.loads(out.read_text())["runs"]
     assert sorted((r["method"], r["batch_invariant"]) for r in runs) == [
         ("ar", False),

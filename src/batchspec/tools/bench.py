@@ -290,21 +290,25 @@ def table(report: dict) -> str:
         )
     if any(r.get("batch_invariant") for r in report["runs"]):
         lines.append("* = under --batch-invariant")
-    for r in report["runs"]:
-        if r.get("vs_mode_off_paired") is not None:
-            each = ", ".join(f"{x:.2f}" for x in r["vs_mode_off_repeats"])
-            lines.append(
-                f"{r['method']} -k {setting(r)} at B = {r['batch_size']}, --batch-invariant: "
-                f"{r['vs_mode_off_paired']:.2f} x the same run with plain kernels (paired repeats: {each})"
-            )
-    for r in report["runs"]:
-        if r.get("auto_vs_best") is not None:
-            each = ", ".join(f"{x:.2f}" for x in r["auto_vs_best_repeats"])
-            lines.append(
-                f"{r['method']} -k {setting(r)} at B = {r['batch_size']}: {r['auto_vs_best']:.2f} x the best of ar "
-                f"and its fixed k (median over repeats of side-by-side ratios: {each})"
-            )
+    lines += _ratio_lines(
+        report["runs"], "vs_mode_off_paired", "vs_mode_off_repeats", "x the same run with plain kernels"
+    )
+    lines += _ratio_lines(report["runs"], "auto_vs_best", "auto_vs_best_repeats", "x the best of ar and its fixed k")
     return "\n".join(lines)
+
+
+def _ratio_lines(runs: list[dict], key: str, repeats: str, against: str) -> list[str]:
+    """One line per run that has the paired ratio `key`: the median, then each repeat's."""
+    lines = []
+    for r in runs:
+        if r.get(key) is not None:
+            mode = " (--batch-invariant)" if r.get("batch_invariant") else ""
+            each = ", ".join(f"{x:.2f}" for x in r[repeats])
+            lines.append(
+                f"{r['method']} -k {setting(r)} at B = {r['batch_size']}{mode}: {r[key]:.2f} {against} "
+                f"(median over repeats of side-by-side ratios: {each})"
+            )
+    return lines
 
 
 def setting(run: dict) -> str:
