@@ -51,6 +51,8 @@ NAME = "batchspec_invariant"
 BLOCK = 64
 #: Fewest rows a matmul of the mode is given (padded with zeros): below 4, float32 MKL takes other paths.
 MIN_ROWS = 4
+#: Query tokens attended together in a chain or prefill chunk (each group over the keys it reaches).
+QUERY_GROUP = 64
 #: Fewest rows the mode's linear layers multiply (padded with zeros): one row takes another path.
 LINEAR_MIN_ROWS = 4
 
@@ -185,7 +187,8 @@ class Plan:
     union: every key some query of the row attends, in buffer order: `uidx` [B, NU] (NU a multiple
     of BLOCK; 0 past the row's count), `uvalid` [B, q, NU]: query i attends union rank r (r below
     its count when its keys are the union's first ones, else below its count rounded down to a
-    BLOCK: the rest of its keys then come from its tail). tail (a tree's branches): `tidx`,
+    BLOCK: the rest of its keys then come from its tail). `groups`: (query columns, union ranks they
+    reach, a multiple of BLOCK) per QUERY_GROUP columns. tail (a tree's branches): `tidx`,
     `tvalid` [B, q, NT]: query i's canonical ranks from that block boundary on, or None."""
 
     def __init__(self, att: torch.Tensor):
@@ -203,6 +206,12 @@ class Plan:
         whole = lead == count
         limit = torch.where(whole, count, lead // BLOCK * BLOCK)
         self.uvalid = ranks < limit[..., None]  # [B, q, NU]
+        # query tokens in groups of QUERY_GROUP, each with the union ranks its queries reach
+        reach = limit.amax(0).tolist()  # [q]
+        self.groups = [
+            (slice(c, c + QUERY_GROUP), BLOCK * max(1, math.ceil(max(reach[c : c + QUERY_GROUP]) / BLOCK)))
+            for c in range(0, q, QUERY_GROUP)
+        ]
         self.tidx = self.tvalid = None
         if not bool(whole.all()):
             rest = torch.where(whole, 0, count - limit)
@@ -296,41 +305,54 @@ def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Plan, scaling: float) -> torch.Tensor:
     """query [B, H, q, D], key/value [B, H_kv, L, D] -> [B, q, H, D] in query's dtype, each query
-    reduced over its canonical keys (module docstring): the softmax's maximum over all of them,
-    its numerator and denominator per BLOCK, then the blocks in order (cumsum: float64
-    accumulation; masked keys and empty blocks add exact zeros)."""
-    b, heads, q, dim = query.shape
-    kv_heads = key.shape[1]
-    g = heads // kv_heads  # head h reads kv head h // g
-    n, rows = b * kv_heads, g * q  # union: one key set per (row, kv head); its rows (head j, query i)
+    reduced over its canonical keys (module docstring). Chains and prefill chunks go in groups of
+    QUERY_GROUP query tokens, each over the union's ranks its queries reach (a prefill's first
+    queries skip the blocks only later ones read: those would add exact zeros)."""
     qf = query.float() * scaling
     ku, vu = _union(key, plan), _union(value, plan)  # [B, H_kv, NU, D]
-    nu = ku.shape[2]
+    if plan.tidx is not None:
+        tail = (_gather(key, plan.tidx), _gather(value, plan.tidx), plan.tvalid)
+        out = _reduce(qf, ku, vu, plan.uvalid, tail)
+    else:
+        outs = [_reduce(qf[:, :, c], ku[:, :, :w], vu[:, :, :w], plan.uvalid[:, c, :w]) for c, w in plan.groups]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).to(query.dtype)
+
+
+def _reduce(qf: torch.Tensor, ku: torch.Tensor, vu: torch.Tensor, valid: torch.Tensor, tail=None) -> torch.Tensor:
+    """qf [B, H, q, D] (scaled, float32), ku/vu [B, H_kv, S, D] (union ranks, float32), valid [B, q,
+    S]; tail: (keys, values [B, q, H_kv, NT, D], valid [B, q, NT]) or None -> [B, H, q, D] float32:
+    the softmax's maximum over all of a query's keys, its numerator and denominator per BLOCK, then
+    the blocks in order (cumsum: float64 accumulation; masked keys and empty blocks add exact zeros)."""
+    b, heads, q, dim = qf.shape
+    kv_heads, nu = ku.shape[1], ku.shape[2]
+    g = heads // kv_heads  # head h reads kv head h // g
+    n, rows = b * kv_heads, g * q  # union: one key set per (row, kv head); its rows (head j, query i)
     su = _scores(qf.reshape(n, rows, dim), ku.reshape(n, nu, dim))
-    su.view(b, kv_heads, g, q, nu).masked_fill_(~plan.uvalid[:, None, None], float("-inf"))  # broadcast, no copy
+    su.view(b, kv_heads, g, q, nu).masked_fill_(~valid[:, None, None], float("-inf"))  # broadcast, no copy
     m = su.amax(-1)  # [N, g q]
-    if plan.tidx is not None:  # a tree's branches: one key set per (row, query, kv head), its g heads
-        kt, vt = _gather(key, plan.tidx), _gather(value, plan.tidx)  # [B, q, H_kv, NT, D]
+    if tail is not None:  # a tree's branches: one key set per (row, query, kv head), its g heads
+        kt, vt, valid_t = tail
         nt, sets = kt.shape[3], b * q * kv_heads
         qt = qf.view(b, kv_heads, g, q, dim).permute(0, 3, 1, 2, 4).reshape(sets, g, dim)
-        valid_t = plan.tvalid[:, :, None, None, :].expand(b, q, kv_heads, g, nt).reshape(sets, g, nt)
-        st = _scores(qt, kt.reshape(sets, nt, dim)).masked_fill_(~valid_t, float("-inf"))
+        st = _scores(qt, kt.reshape(sets, nt, dim))
+        st.view(b, q, kv_heads, g, nt).masked_fill_(~valid_t[:, :, None, None], float("-inf"))
         to_union = lambda t: t.view(b, q, kv_heads, g, *t.shape[2:]).movedim(1, 3).reshape(n, rows, *t.shape[2:])  # noqa: E731
         m = torch.maximum(m, to_union(st.amax(-1)))
     m = torch.where(torch.isfinite(m), m, 0.0)[..., None]  # a query without keys: zeros out
     eu = torch.exp(su - m)  # masked: exp(-inf) = 0
     parts = _partials(eu, vu.reshape(n, nu, dim))  # [N, nbu, g q, D]
-    weights = eu
-    if plan.tidx is not None:
+    sums = _block_sums(eu)  # [N, g q, nbu]
+    if tail is not None:
         to_sets = lambda t: t.view(b, kv_heads, g, q, *t.shape[2:]).movedim(3, 1).reshape(sets, g, *t.shape[2:])  # noqa: E731
         et = torch.exp(st - to_sets(m))
         tail_parts = _partials(et, vt.reshape(sets, nt, dim))  # [sets, nbt, g, D]
         parts = torch.cat([parts, to_union(tail_parts.transpose(1, 2)).transpose(1, 2)], dim=1)
-        weights = torch.cat([eu, to_union(et)], dim=-1)
+        sums = torch.cat([sums, to_union(_block_sums(et))], dim=-1)
     num = parts.cumsum(dim=1)[:, -1]  # [N, g q, D]
-    den = _block_sums(weights).cumsum(dim=-1)[..., -1:]  # [N, g q, 1]
+    den = sums.cumsum(dim=-1)[..., -1:]  # [N, g q, 1]
     out = num / den.clamp_min(torch.finfo(torch.float32).tiny)
-    return out.view(b, heads, q, dim).transpose(1, 2).to(query.dtype)
+    return out.view(b, heads, q, dim)
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
