@@ -21,6 +21,7 @@ from .core.errors import BatchspecError
 from .core.stats import startup_text
 from .decoder import SpecDecoder
 from .distributed import tp
+from .models import invariant
 from .models.pair import DTYPES, PAIRS, PairSpec, target_config
 from .serving import access
 from .serving.config import ServeConfig
@@ -422,7 +423,7 @@ def invariant_modes(args) -> list[bool]:
             raise BatchspecError(f"--batch-invariant takes off, on or off,on, got {value!r}")
         modes = [n == "on" for n in names]
     if any(modes) and (getattr(args, "tp", 1) or 1) > 1:
-        raise BatchspecError("--batch-invariant does not run with --tp: the all-reduce order would vary")
+        raise BatchspecError(invariant.NO_TP)
     return modes
 
 

@@ -240,8 +240,13 @@ def model_identity(model) -> dict:
         source = model.__dict__.get("_batchspec_weights") or _weights_sha256(model)
         model.__dict__["_batchspec_weights"] = source
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)  # the batch-invariant mode
-    identity = {"class": type(model).__name__, "source": source, "params": digest(params), "gpu": gpu}
-    return identity | {"attention": attention}
+    return {
+        "class": type(model).__name__,
+        "source": source,
+        "params": digest(params),
+        "gpu": gpu,
+        "attention": attention,
+    }
 
 
 def _weights_sha256(model) -> str:

@@ -57,11 +57,15 @@ QUERY_GROUP = 64
 LINEAR_MIN_ROWS = 4
 
 
+#: Why the mode refuses tensor parallelism (here, and in the command line before ranks start).
+NO_TP = "--batch-invariant does not run with --tp: the all-reduce order would vary"
+
+
 def apply(model: torch.nn.Module, mode: bool | None) -> None:
     """Put `model` under the mode (True), take it out (False) or leave it (None), as an
     EngineConfig's `batch_invariant` says."""
     if mode and tp.active():
-        raise BatchspecError("--batch-invariant does not run with --tp: the all-reduce order would vary")
+        raise BatchspecError(NO_TP)
     if mode is not None:
         (install if mode else uninstall)(model)
 
@@ -197,9 +201,8 @@ class Plan:
         count_u = union.sum(-1)
         nu = BLOCK * max(1, math.ceil(int(count_u.max()) / BLOCK))
         self.uidx = _positions(union, nu)  # [B, NU]
-        ranks_u = torch.arange(nu).expand(b, nu)
-        self.aligned = bool(((self.uidx == ranks_u) | (ranks_u >= count_u[:, None])).all())  # rank r at slot r
         ranks = torch.arange(nu)
+        self.aligned = bool(((self.uidx == ranks) | (ranks >= count_u[:, None])).all())  # rank r at slot r
         seen = att.gather(2, self.uidx[:, None, :].expand(b, q, nu)) & (ranks < count_u[:, None])[:, None, :]
         count = att.sum(-1)  # [B, q]
         lead = seen.long().cumprod(-1).sum(-1)  # the union's first keys query i attends
@@ -282,8 +285,9 @@ def _block_sums(e: torch.Tensor) -> torch.Tensor:
 
 
 def _union(t: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """t [B, H_kv, L, D] -> float32 [B, H_kv, NU, D]: the union's keys (or values) by rank; a view
-    (float32) or one converting copy when the buffer already holds rank r at position r."""
+    """t [B, H_kv, L, D] -> float32 [B, H_kv, NU, D]: the union's keys (or values) by rank. Where
+    the buffer already holds rank r at slot r, read in place (a view in float32, else one
+    converting copy); otherwise gathered."""
     nu = plan.uidx.shape[1]
     if not plan.aligned:
         return _gather(t, plan.uidx)
