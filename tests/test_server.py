@@ -486,31 +486,60 @@ def test_the_kv_budget_check_counts_a_trees_nodes_per_depth():
     service.engine.shutdown()
 
 
-def test_a_batch_invariant_bfloat16_server_answers_concurrent_clients_as_the_target_alone():
-    """`serve --dtype bfloat16 --batch-invariant`: concurrent greedy requests (rows of one batch,
-    admitted mid-flight) get the bf16 target's own tokens and logprobs, bit for bit."""
-    import torch
-
-    from batchspec import EngineConfig, SamplingParams, SpecDecoder, tiny_pair
-
-    pair = tiny_pair(dtype=torch.bfloat16)
-    ref = SpecDecoder(pair, EngineConfig(method="reference", batch_invariant=True))
-    prompts = random_prompts(21, 5, 1, 80)
-    params = SamplingParams(max_new_tokens=16, logprobs=0)
-    want = [ref.generate([p], params)[0] for p in prompts]
-    srv = Server("--dtype", "bfloat16", "--batch-invariant", "-k", "3", "--batch-size", "4")
+def _served_logprobs(options: tuple[str, ...], prompts, top: int):
+    """Start `serve *options`, send `prompts` as concurrent greedy completions with `logprobs=top`
+    (rows of one batch, admitted mid-flight), stop it -> (token ids, logprobs, top lists) per prompt."""
+    srv = Server(*options)
     try:
 
         async def ask(p):
             return await srv.aclient.completions.create(
-                model="tiny", prompt=p, max_tokens=16, temperature=0, logprobs=0
+                model="tiny", prompt=p, max_tokens=16, temperature=0, logprobs=top
             )
 
         async def all_of():
             return await asyncio.gather(*(ask(p) for p in prompts))
 
-        for out, w in zip(asyncio.run(all_of()), want):
-            assert _ids(out) == w.token_ids
-            assert out.choices[0].logprobs.token_logprobs == [e.logprob for e in w.logprobs]
+        outs = asyncio.run(all_of())
     finally:
         assert srv.stop() == 0
+    return [(_ids(o), o.choices[0].logprobs.token_logprobs, o.choices[0].logprobs.top_logprobs) for o in outs]
+
+
+def _reference_under_the_mode(dtype, prompts, top: int):
+    """The target alone, one prompt at a time, under the batch-invariant mode -> (token ids,
+    logprobs) per prompt."""
+    from batchspec import EngineConfig, SamplingParams, SpecDecoder, tiny_pair
+
+    ref = SpecDecoder(tiny_pair(dtype=dtype), EngineConfig(method="reference", batch_invariant=True))
+    params = SamplingParams(max_new_tokens=16, logprobs=top)
+    outs = [ref.generate([p], params)[0] for p in prompts]
+    return [(o.token_ids, [e.logprob for e in o.logprobs]) for o in outs]
+
+
+def test_a_batch_invariant_bfloat16_server_answers_concurrent_clients_as_the_target_alone():
+    """`serve --dtype bfloat16 --batch-invariant`: concurrent greedy requests get the bf16 target's
+    own tokens and logprobs, bit for bit."""
+    import torch
+
+    prompts = random_prompts(21, 5, 1, 80)
+    want = _reference_under_the_mode(torch.bfloat16, prompts, 0)
+    got = _served_logprobs(("--dtype", "bfloat16", "--batch-invariant", "-k", "3", "--batch-size", "4"), prompts, 0)
+    assert [(ids, lps) for ids, lps, _ in got] == want
+
+
+def test_float32_logprobs_are_bit_equal_with_and_without_speculation_under_the_mode():
+    """`serve --dtype float32 --batch-invariant` speculating (`-k 3`, the tiny pair's draft) and
+    with `--no-spec`: concurrent greedy requests get the same tokens, logprobs and top-3 alternatives,
+    bit for bit, and the logprobs are the float32 target's own (the reference's). Without the mode
+    they agree to ~1e-5 only (a multi-token forward rounds differently from a one-token one)."""
+    import torch
+
+    prompts = random_prompts(33, 5, 1, 80)
+    want = _reference_under_the_mode(torch.float32, prompts, 3)
+    base = ("--dtype", "float32", "--batch-invariant", "--batch-size", "4")
+    spec = _served_logprobs(base + ("-k", "3"), prompts, 3)
+    plain = _served_logprobs(base + ("--no-spec",), prompts, 3)
+    assert spec == plain
+    assert [(ids, lps) for ids, lps, _ in spec] == want
+    assert all(max(top.values()) == lp for _, lps, tops in spec for top, lp in zip(tops, lps))
