@@ -147,6 +147,7 @@ def test_serve_config_builder_sets_serve_options():
     deployment = deployment._bound_deployment
     assert (deployment.num_replicas, deployment.max_ongoing_requests, deployment.max_queued_requests) == (3, 6, 9)
     assert deployment.ray_actor_options["num_cpus"] == 0.5
+    assert deployment._deployment_config.health_check_period_s == 1.0  # a dead replica noticed within a second
 
 
 def test_health_names_the_replica_and_fails_on_a_stalled_or_dead_engine(monkeypatch):

@@ -19,6 +19,7 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaModel
+from transformers.initialization import no_init_weights
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "weights")
@@ -118,8 +119,10 @@ def save_draft(model: SmolDraft, meta: dict, weights: str = DRAFT_FILE, meta_fil
 
 
 def build_draft(target, state: dict[str, torch.Tensor], num_layers: int) -> SmolDraft:
-    """A SmolDraft for `target` holding `state` (stored tensors), its embedding tied to the target's."""
-    model = SmolDraft(draft_config(target.config, num_layers), state["vocab_ids"])
+    """A SmolDraft for `target` holding `state` (stored tensors), its embedding tied to the target's.
+    Built without random initialization: every weight is then loaded or tied (checked)."""
+    with no_init_weights():
+        model = SmolDraft(draft_config(target.config, num_layers), state["vocab_ids"])
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {EMBED_KEY}:
         raise ValueError(

@@ -32,6 +32,7 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaModel
+from transformers.initialization import no_init_weights
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .draft import WEIGHTS_DIR, draft_config
@@ -145,7 +146,8 @@ def load_head(target, dtype: torch.dtype | None = None, path: str = EAGLE_FILE) 
     state = load_file(path)
     num_layers = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("model.layers."))
     aux_layers = tuple(state.setdefault("aux_layers", torch.zeros(0, dtype=torch.long)).tolist())
-    head = EagleHead(draft_config(target.config, num_layers), state["vocab_ids"], aux_layers)
+    with no_init_weights():  # every weight is then loaded or shared (checked below)
+        head = EagleHead(draft_config(target.config, num_layers), state["vocab_ids"], aux_layers)
     missing, unexpected = head.load_state_dict(state, strict=False)
     if unexpected or set(missing) - set(SHARED):
         lost = sorted(set(missing) - set(SHARED))

@@ -10,7 +10,9 @@ restarts dead ones and sheds load; batchspec adds no router of its own. What it 
   to a replica with a free row. Waiting requests wait in Serve's queue instead.
 - `max_queued_requests` = --max-queue: beyond it Serve answers 503 at once.
 - `check_health` fails when the engine thread is dead or has not iterated for `server.STALL_S`
-  seconds; Serve then replaces the replica.
+  seconds; Serve then replaces the replica. Serve calls it every `HEALTH_CHECK_S` (its default,
+  10 s, is also how long a replica whose process died can go unnoticed: Serve learns of the death
+  from the pending check); the check reads two fields, so calling it every second costs nothing.
 - `num_cpus` per replica = --replica-cpus (fractions allowed); torch's threads set to match (Ray
   sets OMP_NUM_THREADS from it; torch must agree).
 
@@ -39,6 +41,8 @@ from .config import ServeConfig
 from .server import STALL_S, build_service, create_app
 
 APP_NAME = "batchspec"
+#: Seconds between Serve's health checks of a replica (the most a dead replica goes unnoticed).
+HEALTH_CHECK_S = 1.0
 
 
 @serve.deployment(name="batchspec")
@@ -73,6 +77,7 @@ def deployment(config: ServeConfig):
         max_queued_requests=config.max_queue,
         ray_actor_options={"num_cpus": config.replica_cpus},
         graceful_shutdown_timeout_s=config.graceful_timeout,
+        health_check_period_s=HEALTH_CHECK_S,
     ).bind(config)
 
 
