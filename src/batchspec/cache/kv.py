@@ -14,14 +14,16 @@ Which columns are real and which are padding is not the cache's business: the ca
 batch, a per-sequence store, the ragged batch) keeps that. `SeqKV` is one sequence's share: a
 list over layers of (keys, values) [1, H_kv, n, D] holding its n real entries, oldest first.
 
-Only full-attention models are supported (`models.check_supported` refuses the rest). H_kv is the
+Full-attention layers and sliding-window ones are supported (`models.check_supported` refuses
+the rest): a sliding layer keeps every entry here too, and attention cuts its mask to the window
+(`attention.windowed`), so moving columns means the same for both. H_kv is the
 heads this process holds: under tensor parallelism (tp.py) a rank holds its share (`kv_heads`).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 SeqKV = list[tuple[torch.Tensor, torch.Tensor]]
 RESERVE = 32  # spare columns allocated past the width whenever entries are moved
@@ -90,15 +92,28 @@ def empty_caches(models: dict) -> dict[str, BufferCache]:
     return {role: empty(model.config) for role, model in models.items()}
 
 
-def reference_cache(config) -> DynamicCache:
-    """transformers' plain growing cache (the oracle's; independent of this module's buffers)."""
-    return DynamicCache(config=config)
+def reference_cache(config, full: bool = False) -> DynamicCache:
+    """transformers' plain growing cache (the oracle's; independent of this module's buffers): its
+    sliding layers keep only their window, unless `full` (every layer keeps every entry, as here;
+    transformers still masks the window)."""
+    return DynamicCache() if full else DynamicCache(config=config)
+
+
+#: transformers' cache layers whose attention batchspec's caches reproduce (full and sliding window).
+SUPPORTED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 def unsupported_layers(config) -> set[str]:
-    """Names of the cache layer types this config needs that are not plain full attention
-    (sliding windows, recurrent state); empty when the model is supported."""
-    return {type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer}
+    """Names of the cache layer types this config needs that are neither full attention nor a
+    sliding window (recurrent or linear-attention state, chunked attention, ...); empty when the
+    model is supported."""
+    layers = DynamicCache(config=config).layers
+    return {type(layer).__name__ for layer in layers if type(layer) not in SUPPORTED_LAYERS}
+
+
+def has_sliding_layers(config) -> bool:
+    """Whether some layer of this config attends over a sliding window."""
+    return any(type(layer) is DynamicSlidingWindowLayer for layer in DynamicCache(config=config).layers)
 
 
 def entry_dtype(model) -> torch.dtype:

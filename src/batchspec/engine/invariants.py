@@ -43,7 +43,7 @@ def check_batch(batch, models: dict) -> None:
 def _check_row(model, role: str, row: int, tokens: list[int], cached: kv.SeqKV, target) -> None:
     if not tokens:
         return
-    fresh = kv.reference_cache(model.config)
+    fresh = kv.reference_cache(model.config, full=True)  # every entry, sliding layers' too
     ids = torch.tensor([tokens], device=model.device)
     extra = {}
     if isinstance(model, EagleHead):  # a draft head: the target's features of the same tokens

@@ -12,12 +12,19 @@ spans in the ragged layout. Same math as transformers' SDPA attention, less memo
   in size classes and hands each class's rows over their own span (`slots.RowParts`): one kernel call
   per class in use, each row attending over less than twice its own length (past the first class).
 
+- **Sliding windows.** Layers with a window (Gemma 2/3, Mistral-style; transformers passes
+  `sliding_window`) get the layout's full-history mask cut to each query's last `window` keys
+  (`windowed`), the rule of transformers' own sliding caches. batchspec's caches keep every entry
+  of such layers, so realignment and the ragged slots work as for full attention.
+
 Registered as the attention implementation "batchspec" (`install`). Calls without a mask (the
 reference decoder's plain forwards) go to transformers' SDPA function unchanged, and so does each
 run of one query token (transformers packs those itself).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -52,12 +59,38 @@ def _one(module, query, key, value, mask, scaling, dropout) -> torch.Tensor:
     return out.reshape(b, heads, q, dim).transpose(1, 2)
 
 
+def windowed(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """mask [B, 1 or H, q, L] (bool, True attends; or additive, 0 attends) -> the same keeping, of each
+    query's allowed keys, the last `window` along L (itself included): keys at distance < window,
+    as transformers' sliding layers see. Holds where each query's allowed keys are its sequence's
+    whole history in position order along L, as in every batchspec layout (ragged slots are
+    positions; padded rows are realigned, without holes; a tree node sees its ancestors in order).
+    The result for the last mask object seen is kept: every sliding layer of a forward gets the
+    same one (masks are made for each forward and not changed in place)."""
+    held = _windowed_last.get("entry")
+    if held is not None and held[0]() is mask and held[1] == window:
+        return held[2]
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    later = allowed.flip(-1).cumsum(-1).flip(-1)  # allowed keys at or after each column
+    keep = allowed & (later <= window)
+    out = keep if mask.dtype == torch.bool else torch.zeros_like(mask).masked_fill(~keep, torch.finfo(mask.dtype).min)
+    _windowed_last["entry"] = (weakref.ref(mask), window, out)
+    return out
+
+
+_windowed_last: dict = {}
+
+
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention signature. key/value may be `slots.RowParts` (the ragged layout's size
-    classes): each part's rows attend over their own slab, up to their own longest row."""
+    classes): each part's rows attend over their own slab, up to their own longest row. A layer
+    with a `sliding_window` attends over the window of its mask (`windowed`)."""
     only_stock = kwargs.get("output_attentions") or any(
-        kwargs.get(name) is not None for name in ("softcap", "sliding_window", "position_bias")
+        kwargs.get(name) is not None for name in ("softcap", "position_bias")
     )  # features only transformers' function implements
+    window = kwargs.get("sliding_window")
+    if attention_mask is not None and window is not None:
+        attention_mask = windowed(attention_mask, window)
     if attention_mask is None or only_stock:
         key, value = dense(key, query.shape[0]), dense(value, query.shape[0])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)

@@ -41,6 +41,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..cache import kv
 from ..core.errors import BatchspecError
 from ..distributed import tp
 from . import attention as plain_attention
@@ -83,6 +84,11 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
     if device.type != "cpu":
         raise BatchspecError(
             f"--batch-invariant runs on CPUs only (the model is on {device}); see docs/batch-invariance.md"
+        )
+    if kv.has_sliding_layers(model.config):
+        raise BatchspecError(
+            f"--batch-invariant does not support sliding-window attention yet (the {model.config.model_type} "
+            "model has sliding layers); run without it (float32 for the closest tokens)"
         )
     tables = {id(m.table): m.table for m in model.modules() if isinstance(m, TunedLinear)}
     if not tables or any(isinstance(m, torch.nn.Linear) for m in model.modules()):

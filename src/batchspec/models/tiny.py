@@ -1,5 +1,6 @@
 """The `tiny` pair: a seeded Llama-style target and a perturbed copy as its draft, built from
-configs in a second (no download), with a byte-level tokenizer.
+configs in a second (no download), with a byte-level tokenizer. `tiny-sliding` is the same built
+from a Gemma 3-style config: sliding-window layers (a window of 6) around a global one.
 
 Non-degenerate on purpose: with transformers' default init scale a random model's greedy output
 repeats one or two tokens, and a test on such output cannot see a wrong position or mask. An init
@@ -11,7 +12,14 @@ from __future__ import annotations
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedConfig,
+    PreTrainedTokenizerFast,
+)
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from . import attention
@@ -53,13 +61,37 @@ def tiny_config(vocab_size: int = 320, hidden: int = 64, layers: int = 2, contex
     )
 
 
+def tiny_sliding_config(vocab_size: int = 320, hidden: int = 64, window: int = 6, context: int = 8192):
+    """A Gemma 3-style text config: layers 0 and 2 attend over a sliding window of `window` keys,
+    layer 1 over everything (Gemma 3 has five sliding layers per global one)."""
+    return Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=window,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        query_pre_attn_scalar=hidden // 4,
+        max_position_embeddings=context,
+        initializer_range=0.2,
+        pad_token_id=256,
+        bos_token_id=257,
+        eos_token_id=258,
+        tie_word_embeddings=False,
+    )
+
+
 def tiny_models(
-    config: LlamaConfig, noise: float = 0.02, seed: int = 0, dtype: torch.dtype = torch.float32
+    config: PreTrainedConfig, noise: float = 0.02, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
-    """(target, draft): the draft is the target with each weight perturbed by noise x its std."""
+    """(target, draft) of `config`'s architecture: the draft is the target with each weight
+    perturbed by noise x its std."""
     torch.manual_seed(seed)
-    target = attention.install(LlamaForCausalLM(config).eval())
-    draft = attention.install(LlamaForCausalLM(config).eval())
+    target = attention.install(AutoModelForCausalLM.from_config(config).eval())
+    draft = attention.install(AutoModelForCausalLM.from_config(config).eval())
     draft.load_state_dict(target.state_dict())
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

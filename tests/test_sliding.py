@@ -1,0 +1,144 @@
+"""Sliding-window models (Gemma 3-style `tiny-sliding`: layers 0 and 2 see a window of 6 keys,
+layer 1 everything): the reference equals transformers' own generate with its sliding caches and
+eager attention, and every method, proposer, k, tree and batch gives the reference's tokens,
+with prompts and outputs far longer than the window (float64, as the other property tests)."""
+
+from __future__ import annotations
+
+import copy
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from helpers import decode_checked, random_prompts, reference_tokens
+from hypothesis import given, settings
+
+from batchspec import BatchspecError, EngineConfig, SamplingParams, SpecDecoder, tiny_pair
+from batchspec.models import attention, invariant
+from batchspec.models.pair import check_supported
+
+WINDOW = 6
+
+
+@pytest.fixture(scope="module")
+def sliding64():
+    return tiny_pair(dtype=torch.float64, sliding=True)
+
+
+def test_the_pair_is_gemma3_with_sliding_and_global_layers(sliding64):
+    config = sliding64.target.config
+    assert config.model_type == "gemma3_text" and config.sliding_window == WINDOW
+    assert config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+def test_reference_equals_transformers_generate_with_its_sliding_cache(sliding64):
+    """The oracle's oracle: transformers' eager attention over its DynamicSlidingWindowLayer cache
+    (which keeps only the last window - 1 entries), one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(sliding64.target.config)  # from_config would set eager on the pair's own
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(torch.float64).eval()
+    hf.load_state_dict(sliding64.target.state_dict())
+    prompts = random_prompts(70, 4, 2, 40)
+    ref = reference_tokens(sliding64, prompts, 24)
+    for prompt, want in zip(prompts, ref):
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=256)
+        assert out[0, len(prompt) :].tolist()[: len(want)] == want
+
+
+@settings(max_examples=12)
+@given(
+    seed=st.integers(0, 10**6),
+    method=st.sampled_from(["ar", "spec1", "eqspec", "exspec", "ragged"]),
+    proposer=st.sampled_from(["draft", "ngram", "ngram+draft"]),
+    batch=st.integers(1, 5),
+    k=st.sampled_from([1, 2, 3, 5]),
+)
+def test_every_method_equals_the_reference(sliding64, seed, method, proposer, batch, k):
+    prompts = random_prompts(seed, 7, 1, 40)
+    got, _ = decode_checked(
+        sliding64, prompts, SamplingParams(max_new_tokens=28), proposer, method=method, batch_size=batch, k=k
+    )
+    assert got == reference_tokens(sliding64, prompts, 28)
+
+
+@settings(max_examples=6)
+@given(
+    seed=st.integers(0, 10**6),
+    method=st.sampled_from(["eqspec", "ragged"]),
+    branches=st.sampled_from([2, (3, 2, 1), (2, 2)]),
+    batch=st.integers(1, 4),
+)
+def test_draft_trees_equal_the_reference(sliding64, seed, method, branches, batch):
+    """A tree node sees its ancestors: the window counts them, not the other branches."""
+    prompts = random_prompts(seed, 5, 1, 30)
+    k = 3 if isinstance(branches, int) else len(branches)
+    got, _ = decode_checked(
+        sliding64,
+        prompts,
+        SamplingParams(max_new_tokens=24),
+        "draft",
+        method=method,
+        batch_size=batch,
+        k=k,
+        branches=branches,
+    )
+    assert got == reference_tokens(sliding64, prompts, 24)
+
+
+def test_chunked_prefill_prefix_cache_and_auto_k(sliding64):
+    prompts = random_prompts(71, 8, 20, 60)
+    prompts += [prompts[0] + [5, 6, 7], prompts[1][:30]]  # reuse of stored prefixes
+    config = dict(method="ragged", batch_size=3, k="auto", prefill_chunk=8, prefix_cache_tokens=4096)
+    got, _ = decode_checked(sliding64, prompts, SamplingParams(max_new_tokens=20), "ngram+draft", **config)
+    assert got == reference_tokens(sliding64, prompts, 20)
+
+
+def test_without_the_window_the_methods_diverge(sliding64, monkeypatch):
+    """The control: attending over the full history in the sliding layers (the window ignored in
+    the ragged layout's masks) changes the tokens, so the tests above can fail."""
+    monkeypatch.setattr(attention, "windowed", lambda mask, window: mask)
+    prompts = random_prompts(72, 4, 20, 40)
+    dec = SpecDecoder(sliding64, EngineConfig(method="ragged", batch_size=4, k=3, proposer="draft"))
+    got = [o.token_ids for o in dec.generate(prompts, SamplingParams(max_new_tokens=24))]
+    assert got != reference_tokens(sliding64, prompts, 24)
+
+
+def test_windowed_keeps_the_last_keys_of_each_query():
+    allowed = torch.tensor([[0, 1, 1, 0, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)[None, None]
+    kept = attention.windowed(allowed, 3)
+    assert kept[0, 0].int().tolist() == [[0, 0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 0, 0, 0]]
+    additive = torch.where(allowed, 0.0, float("-inf"))
+    assert torch.equal(attention.windowed(additive, 3) == 0, kept)
+
+
+def test_sampled_rows_match_the_reference_sampler(sliding64):
+    """Seeded sampling: the same tokens from the ragged batch as from the target alone."""
+    prompts = random_prompts(73, 4, 5, 30)
+    params = [SamplingParams(max_new_tokens=20, temperature=0.9, seed=s) for s in range(4)]
+    ref = [SpecDecoder(sliding64, method="reference").generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    dec = SpecDecoder(sliding64, EngineConfig(method="ragged", batch_size=4, k=3, proposer="draft"))
+    assert [o.token_ids for o in dec.generate(prompts, params)] == ref
+
+
+def test_soft_capped_attention_is_refused():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    with pytest.raises(BatchspecError, match=r"soft-caps its attention logits \(attn_logit_softcapping=50"):
+        check_supported(Gemma2ForCausalLM(config), "target")
+
+
+def test_the_batch_invariant_mode_refuses_sliding_layers_by_name():
+    pair = tiny_pair(dtype=torch.float32, sliding=True)
+    with pytest.raises(BatchspecError, match="does not support sliding-window attention yet"):
+        invariant.install(pair.target)
+    assert not invariant.installed(pair.target)
