@@ -486,7 +486,7 @@ def test_the_kv_budget_check_counts_a_trees_nodes_per_depth():
     service.engine.shutdown()
 
 
-def _served_logprobs(options: tuple[str, ...], prompts, top: int):
+def _served_logprobs(options: tuple[str, ...], prompts, top: int, model: str = "tiny"):
     """Start `serve *options`, send `prompts` as concurrent greedy completions with `logprobs=top`
     (rows of one batch, admitted mid-flight), stop it -> (token ids, logprobs, top lists) per prompt."""
     srv = Server(*options)
@@ -494,7 +494,7 @@ def _served_logprobs(options: tuple[str, ...], prompts, top: int):
 
         async def ask(p):
             return await srv.aclient.completions.create(
-                model="tiny", prompt=p, max_tokens=16, temperature=0, logprobs=top
+                model=model, prompt=p, max_tokens=16, temperature=0, logprobs=top
             )
 
         async def all_of():
@@ -543,3 +543,19 @@ def test_float32_logprobs_are_bit_equal_with_and_without_speculation_under_the_m
     assert spec == plain
     assert [(ids, lps) for ids, lps, _ in spec] == want
     assert all(max(top.values()) == lp for _, lps, tops in spec for top, lp in zip(tops, lps))
+
+
+def test_a_sliding_window_model_serves_concurrent_clients_as_the_reference():
+    """`serve --pair tiny-sliding` (Gemma 3-style, window 6): concurrent greedy requests with
+    prompts several windows long get the reference's tokens."""
+    import torch
+
+    from batchspec import SamplingParams, SpecDecoder, tiny_pair
+
+    prompts = random_prompts(34, 5, 10, 60)
+    ref = SpecDecoder(tiny_pair(dtype=torch.float64, sliding=True), method="reference")
+    want = [ref.generate([p], SamplingParams(max_new_tokens=16, logprobs=0))[0] for p in prompts]
+    got = _served_logprobs(("--pair", "tiny-sliding", "-k", "3", "--batch-size", "4"), prompts, 0, "tiny-sliding")
+    assert [ids for ids, _, _ in got] == [w.token_ids for w in want]
+    for (_, lps, _), w in zip(got, want):
+        assert len(lps) == len(w.logprobs) and all(abs(a - b.logprob) < 1e-9 for a, b in zip(lps, w.logprobs))

@@ -14,8 +14,9 @@ from helpers import decode_checked, random_prompts, reference_tokens
 from hypothesis import given, settings
 
 from batchspec import BatchspecError, EngineConfig, SamplingParams, SpecDecoder, tiny_pair
-from batchspec.models import attention, invariant
-from batchspec.models.pair import check_supported
+from batchspec.models import attention, invariant, support
+from batchspec.models.pair import load_pair
+from batchspec.models.support import check_supported
 
 WINDOW = 6
 
@@ -142,3 +143,41 @@ def test_the_batch_invariant_mode_refuses_sliding_layers_by_name():
     with pytest.raises(BatchspecError, match="does not support sliding-window attention yet"):
         invariant.install(pair.target)
     assert not invariant.installed(pair.target)
+
+
+def _gguf_header(path, arch: str) -> None:
+    """A GGUF file with metadata and no tensors: all an architecture check may read."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(("arch", "why"), [("mamba", "recurrent state"), ("gemma2", "soft-capped")])
+def test_unsupported_gguf_architectures_are_refused_from_the_header(tmp_path, arch, why):
+    """Refused before any weight is read: the file holds no tensors at all."""
+    path = tmp_path / f"{arch}.gguf"
+    _gguf_header(path, arch)
+    assert support.gguf_architecture(str(path)) == arch
+    with pytest.raises(BatchspecError, match=rf"the target model \({arch}, .*\) has {why}"):
+        load_pair(target=str(path))
+
+
+def test_a_recurrent_model_directory_is_refused_from_its_config(tmp_path):
+    """A directory holding only a config (no weights): refused by the config, before loading."""
+    from transformers import MambaConfig
+
+    MambaConfig(vocab_size=300, hidden_size=16, num_hidden_layers=1).save_pretrained(tmp_path)
+    with pytest.raises(BatchspecError, match=r"the target model \(mamba\).*cache layers"):
+        load_pair(target=str(tmp_path))
+
+
+def test_the_default_pairs_gguf_header_reads_llama():
+    from batchspec.models.pair import smollm2_path
+
+    assert support.gguf_architecture(smollm2_path()) == "llama"
+    assert support.gguf_architecture(__file__) is None  # not a GGUF file

@@ -14,7 +14,7 @@ Which columns are real and which are padding is not the cache's business: the ca
 batch, a per-sequence store, the ragged batch) keeps that. `SeqKV` is one sequence's share: a
 list over layers of (keys, values) [1, H_kv, n, D] holding its n real entries, oldest first.
 
-Full-attention layers and sliding-window ones are supported (`models.check_supported` refuses
+Full-attention layers and sliding-window ones are supported (`models.support` refuses
 the rest): a sliding layer keeps every entry here too, and attention cuts its mask to the window
 (`attention.windowed`), so moving columns means the same for both. H_kv is the
 heads this process holds: under tensor parallelism (tp.py) a rank holds its share (`kv_heads`).

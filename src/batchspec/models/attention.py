@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..cache import slots
+from ..core.errors import BatchspecError
 
 NAME = "batchspec"
 
@@ -88,6 +89,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     only_stock = kwargs.get("output_attentions") or any(
         kwargs.get(name) is not None for name in ("softcap", "position_bias")
     )  # features only transformers' function implements
+    if kwargs.get("s_aux") is not None:
+        raise BatchspecError("attention sinks (s_aux) are not implemented by batchspec's attention")
     window = kwargs.get("sliding_window")
     if attention_mask is not None and window is not None:
         attention_mask = windowed(attention_mask, window)

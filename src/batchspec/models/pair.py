@@ -20,7 +20,7 @@ from ..cache import kv
 from ..core import diskcache
 from ..core.errors import BatchspecError
 from ..distributed import tp
-from . import attention, sharding
+from . import attention, sharding, support
 from .linears import tune_linears
 from .tiny import byte_tokenizer, tiny_config, tiny_head, tiny_models, tiny_sliding_config
 
@@ -311,6 +311,9 @@ def default_pair(dtype: torch.dtype, tp_size: int = 1) -> ModelPair:
 
 
 def _load_spec_pair(target: str, draft: str | None, dtype: torch.dtype, tp_size: int = 1) -> ModelPair:
+    for spec, role in ((target, "target"), (draft, "draft")):
+        if spec is not None:
+            _check_before_loading(spec, role)
     target_model, tokenizer = load_model(target, dtype, tp_size)
     draft_model = None
     if draft is not None:
@@ -319,10 +322,22 @@ def _load_spec_pair(target: str, draft: str | None, dtype: torch.dtype, tp_size:
     return _make_pair(f"{target}" + (f" + {draft}" if draft else ""), target_model, draft_model, tokenizer)
 
 
+def _check_before_loading(spec: str, role: str) -> None:
+    """Refuse a model batchspec cannot run from its config (a directory's, a converted GGUF's) or
+    its GGUF header, before any weight is read. Hub ids are checked once loaded."""
+    if spec.endswith(".gguf") and os.path.isfile(spec):
+        if diskcache.complete("models", gguf_name(spec)) is None:
+            support.check_gguf(spec, role)
+            return
+    elif not os.path.isdir(spec):
+        return
+    support.check_config(target_config(None, spec), role)
+
+
 def _make_pair(name, target, draft, tokenizer) -> ModelPair:
-    check_supported(target, "target")
+    support.check_supported(target, "target")
     if draft is not None:
-        check_supported(draft, "draft")
+        support.check_supported(draft, "draft")
     eos = target.generation_config.eos_token_id if target.generation_config else None
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -466,26 +481,6 @@ def _from_pretrained(spec: str, dtype: torch.dtype, extra: dict):
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     return attention.install(model.eval()), tokenizer
-
-
-def check_supported(model, role: str) -> None:
-    """Refuse models whose layers are neither full attention nor a sliding window (recurrent or
-    linear-attention state, chunked attention): realignment and the ragged slots move whole KV
-    columns, which only means something where a layer's state is its keys and values. Refuse
-    attention logit soft-capping (Gemma 2): the attention batchspec runs does not implement it."""
-    config = model.config
-    odd = kv.unsupported_layers(config)
-    if odd:
-        raise BatchspecError(
-            f"the {role} model ({config.model_type}) uses cache layers {sorted(odd)}; batchspec supports "
-            "full-attention and sliding-window layers only (no recurrent, linear or chunked attention)"
-        )
-    softcap = getattr(getattr(config, "get_text_config", lambda: config)(), "attn_logit_softcapping", None)
-    if softcap is not None:
-        raise BatchspecError(
-            f"the {role} model ({config.model_type}) soft-caps its attention logits "
-            f"(attn_logit_softcapping={softcap}); batchspec's attention does not implement that"
-        )
 
 
 def check_vocab(target, target_tok, draft, draft_tok) -> None:
