@@ -8,7 +8,7 @@
 # (guidellm adds `ignore_eos`, which `transformers serve` rejects with 422).
 #
 # Servers: transformers (the peer), batchspec (its defaults), nospec (batchspec --no-spec), nocache
-#   (batchspec --no-prefix-cache), and
+#   (batchspec --no-prefix-cache), nowindow (batchspec --arrival-window-ms 0), and
 #   offline: not a server but `batchspec bench --methods ragged` at B = BATCH_SIZE on the same
 #   Spec-Bench prompts (run at C = BATCH_SIZE only), the engine the server should keep up with.
 # Workloads: specbench (16 Spec-Bench chat prompts, every 30th: real text, where lookup and the draft
@@ -74,6 +74,8 @@ start() {  # start server $1 on port $2, logging to $3; prints its pid
               --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
     nocache) HF_HUB_OFFLINE=1 "$bin/batchspec" serve --pair default --dtype float32 --batch-size "$batch" \
                --no-prefix-cache --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
+    nowindow) HF_HUB_OFFLINE=1 "$bin/batchspec" serve --pair default --dtype float32 --batch-size "$batch" \
+                --arrival-window-ms 0 --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
     *) echo "unknown server $1" >&2; exit 2 ;;
   esac
   echo $!

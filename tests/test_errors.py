@@ -131,3 +131,11 @@ def test_bfloat16_on_a_cpu_without_it_is_flagged(monkeypatch, native):
         load_pair("tiny", dtype="float32", device="cpu")
     flagged = [w for w in caught if "bfloat16 on this CPU is emulated" in str(w.message)]
     assert len(flagged) == (0 if native else 1)
+
+
+@pytest.mark.parametrize("ms", [-1, 5000])
+def test_arrival_window_out_of_range(ms):
+    from batchspec.serving.config import ServeConfig
+
+    with pytest.raises(BatchspecError, match=f"--arrival-window-ms must be between 0 and 1000, got {ms}"):
+        ServeConfig(arrival_window_ms=ms)

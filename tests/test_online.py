@@ -204,3 +204,31 @@ def test_a_failed_step_fails_its_rows_and_the_rebuilt_batch_serves_on(tiny64, mo
     finally:
         engine.shutdown()
     assert not engine.thread.is_alive()
+
+
+@pytest.mark.parametrize("window", [0.0, 2.0])
+def test_requests_arriving_together_are_taken_together(tiny64, monkeypatch, window):
+    """An idle engine takes, with its first request, those arriving right behind it (each within
+    the gap) for up to the arrival window; with no window, the first alone. The gap is widened to
+    0.5 s here so that the arrivals, 50 ms apart, fall inside it on a loaded machine too."""
+    from batchspec.engine import online
+
+    monkeypatch.setattr(online, "ARRIVAL_GAP_S", 0.5)
+    engine = OnlineEngine(_context(tiny64), 8, 256, _byte_decode, arrival_window=window)
+    prompts = random_prompts(75, 4, 3, 10)
+    requests = [Request(_seq(tiny64, p, SamplingParams(max_new_tokens=4)), lambda chunk: None) for p in prompts]
+
+    def arrive():
+        for request in requests[1:]:
+            time.sleep(0.05)
+            engine.inbox.put(request)
+
+    engine.inbox.put(requests[0])
+    sender = threading.Thread(target=arrive)
+    sender.start()
+    taken = engine._drain(block=True)
+    sender.join()
+    assert taken == (requests if window else requests[:1])
+    start = time.monotonic()
+    assert engine._drain(block=True) == ([] if window else requests[1:])
+    assert time.monotonic() - start < 5  # an empty inbox: back after the 50 ms poll

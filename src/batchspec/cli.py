@@ -251,6 +251,13 @@ def _serve_parser(sub) -> None:
         help="requests waiting for a row before 429 (default 256); with --replicas: requests Ray Serve queues "
         "before 503",
     )
+    g.add_argument(
+        "--arrival-window-ms",
+        type=float,
+        default=50.0,
+        help="when idle, how long a first request waits for others arriving right behind it (each within "
+        "15 ms), so that requests sent together are prefilled together (default 50; 0: never wait)",
+    )
     g.add_argument("--served-model-name", help="the model name clients use (default: the pair's name)")
     g.add_argument(
         "--graceful-timeout",
@@ -335,6 +342,7 @@ def serve_config(args) -> ServeConfig:
         host=args.host,
         port=args.port,
         max_queue=args.max_queue,
+        arrival_window_ms=args.arrival_window_ms,
         served_model_name=args.served_model_name,
         prefix_cache=not args.no_prefix_cache,
         prefix_cache_tokens=args.prefix_cache_tokens,

@@ -39,6 +39,14 @@ class ShuttingDown(BatchspecError):
     """The engine no longer admits requests."""
 
 
+#: When the loop is idle, a first request waits up to this long for others arriving right behind it
+#: (each within ARRIVAL_GAP_S of the last): clients that send together are prefilled together
+#: rather than the first alone and the rest after it (docs/serving.md, "The server against its own
+#: engine"). A lone request waits ARRIVAL_GAP_S.
+ARRIVAL_WINDOW_S = 0.05
+ARRIVAL_GAP_S = 0.015
+
+
 @dataclass
 class Chunk:
     """New output of one request: text and the tokens it came from; `finish_reason` on the last."""
@@ -83,9 +91,10 @@ class OnlineEngine:
         max_queue: int = 256,
         prefill_chunk: int | None = None,
         prefix_cache_tokens: int | None = None,
+        arrival_window: float = ARRIVAL_WINDOW_S,
     ):
         self.ctx, self.capacity, self.budget, self.decode = ctx, capacity, budget, decode
-        self.max_queue = max_queue
+        self.max_queue, self.arrival_window = max_queue, arrival_window
         ctx.observe = self._observe
         if ctx.speculation is not None:
             ctx.speculation.defer = True  # its slow upkeep waits for a moment without requests
@@ -177,12 +186,18 @@ class OnlineEngine:
             self._register(request)
 
     def _drain(self, block: bool) -> list[Request]:
-        """The requests in the inbox (waiting up to 50 ms for a first one when `block`)."""
+        """The requests in the inbox. When `block` (the loop is idle): wait up to 50 ms for a first
+        one, then up to `arrival_window` seconds for those right behind it (each within
+        ARRIVAL_GAP_S of the last), so that requests sent together are prefilled together."""
         taken = []
         try:
+            if block:
+                taken.append(self.inbox.get(timeout=0.05))
+                until = time.monotonic() + self.arrival_window
+                while len(taken) < self.capacity and (left := until - time.monotonic()) > 0:
+                    taken.append(self.inbox.get(timeout=min(ARRIVAL_GAP_S, left)))
             while True:
-                taken.append(self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait())
-                block = False
+                taken.append(self.inbox.get_nowait())
         except queue.Empty:
             return taken
 

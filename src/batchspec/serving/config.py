@@ -28,6 +28,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_queue: int = 256
+    arrival_window_ms: float = 50.0
     served_model_name: str | None = None
     prefix_cache: bool = True
     prefix_cache_tokens: int | None = None
@@ -40,6 +41,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise BatchspecError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if not 0 <= self.arrival_window_ms <= 1000:
+            raise BatchspecError(f"--arrival-window-ms must be between 0 and 1000, got {self.arrival_window_ms:g}")
         budget = self.engine.kv_budget_tokens
         if budget is not None and budget < self.slots + 2:
             raise BatchspecError(f"--kv-budget must leave room for a prompt token and {self.slots + 1} draft slots")

@@ -407,7 +407,16 @@ def build_service(config: ServeConfig) -> Service:
     engine_class = LockstepEngine if tp.active() else OnlineEngine  # every rank runs the loop; rank 0 leads
     prefix_tokens = (config.prefix_cache_tokens or budget) if config.prefix_cache else None
     chunk = config.engine.prefill_chunk
-    engine = engine_class(ctx, config.engine.batch_size, budget, decode, config.max_queue, chunk, prefix_tokens)
+    engine = engine_class(
+        ctx,
+        config.engine.batch_size,
+        budget,
+        decode,
+        config.max_queue,
+        chunk,
+        prefix_tokens,
+        config.arrival_window_ms / 1000,
+    )
     service = Service(engine, pair, config.served_model_name or pair.name, lock)
     service.policy = config.access
     service.startup = pair.startup | report
