@@ -232,3 +232,13 @@ def test_requests_arriving_together_are_taken_together(tiny64, monkeypatch, wind
     start = time.monotonic()
     assert engine._drain(block=True) == ([] if window else requests[1:])
     assert time.monotonic() - start < 5  # an empty inbox: back after the 50 ms poll
+
+
+def test_a_long_prefill_is_progress_not_a_stall(tiny64):
+    """Every prefill forward refreshes the heartbeat health checks read: an idle engine prefilling
+    many long prompts in one iteration is not reported stalled (and restarted) meanwhile."""
+    engine = OnlineEngine(_context(tiny64), 4, 256, _byte_decode)
+    engine.beat = time.monotonic() - 1000
+    engine.loop.admission.add(_seq(tiny64, random_prompts(76, 1, 5, 9)[0], SamplingParams(max_new_tokens=2)))
+    engine.loop.admission.admit(engine.loop.batch)
+    assert time.monotonic() - engine.beat < 60

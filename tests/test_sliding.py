@@ -172,7 +172,7 @@ def test_a_recurrent_model_directory_is_refused_from_its_config(tmp_path):
     from transformers import MambaConfig
 
     MambaConfig(vocab_size=300, hidden_size=16, num_hidden_layers=1).save_pretrained(tmp_path)
-    with pytest.raises(BatchspecError, match=r"the target model \(mamba\).*cache layers"):
+    with pytest.raises(BatchspecError, match=r"the target model \(mamba\) keeps recurrent state"):
         load_pair(target=str(tmp_path))
 
 
@@ -181,3 +181,46 @@ def test_the_default_pairs_gguf_header_reads_llama():
 
     assert support.gguf_architecture(smollm2_path()) == "llama"
     assert support.gguf_architecture(__file__) is None  # not a GGUF file
+
+
+def test_chunked_attention_and_recurrent_models_are_refused_from_the_config():
+    from transformers import Llama4TextConfig, RwkvConfig
+
+    chunked = Llama4TextConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        intermediate_size_mlp=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )  # transformers caches its chunked layers as sliding ones: only the config tells them apart
+    with pytest.raises(BatchspecError, match=r"llama4_text\) has layers of kind \['chunked_attention'\]"):
+        support.check_config(chunked, "target")
+    with pytest.raises(BatchspecError, match=r"the draft model \(rwkv\) keeps recurrent state"):
+        support.check_config(RwkvConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1), "draft")
+    support.check_config(tiny_pair(sliding=True).target.config, "target")  # sliding layers pass
+
+
+def test_a_hyphenated_or_malformed_gguf_header(tmp_path):
+    """llama.cpp spells gpt-oss with a hyphen (refused all the same); an old or truncated header
+    reads as unknown, never as an exception from the parser."""
+    _gguf_header(tmp_path / "oss.gguf", "gpt-oss")
+    with pytest.raises(BatchspecError, match=r"\(gpt_oss, .*\) has attention sinks"):
+        support.check_gguf(str(tmp_path / "oss.gguf"), "target")
+    good = (tmp_path / "oss.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(good[:30])
+    assert support.gguf_architecture(str(tmp_path / "cut.gguf")) is None
+    (tmp_path / "v1.gguf").write_bytes(good[:4] + (1).to_bytes(4, "little") + good[8:])
+    assert support.gguf_architecture(str(tmp_path / "v1.gguf")) is None
+    huge = good[:24] + (1 << 40).to_bytes(8, "little") + good[32:]  # the first key's length, absurd
+    (tmp_path / "huge.gguf").write_bytes(huge)
+    assert support.gguf_architecture(str(tmp_path / "huge.gguf")) is None
+
+
+def test_windowed_leaves_short_masks_alone_and_takes_the_layers_window_from_its_config(sliding64):
+    mask = torch.ones(1, 1, 3, WINDOW, dtype=torch.bool).tril(WINDOW - 3)
+    assert attention.windowed(mask, WINDOW) is mask
+    layers = sliding64.target.model.layers
+    assert [attention._layer_window(layer.self_attn) for layer in layers] == [WINDOW, None, WINDOW]

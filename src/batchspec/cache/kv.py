@@ -107,7 +107,10 @@ def unsupported_layers(config) -> set[str]:
     """Names of the cache layer types this config needs that are neither full attention nor a
     sliding window (recurrent or linear-attention state, chunked attention, ...); empty when the
     model is supported."""
-    layers = DynamicCache(config=config).layers
+    try:
+        layers = DynamicCache(config=config).layers
+    except (KeyError, ValueError) as err:  # a layer kind transformers' caches do not know
+        return {f"unknown ({err})"}
     return {type(layer).__name__ for layer in layers if type(layer) not in SUPPORTED_LAYERS}
 
 

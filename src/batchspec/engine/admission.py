@@ -91,6 +91,7 @@ class Admission:
         self.partial: PaddedBatch | None = None  # one row, fed chunk by chunk
         self.step_s: float | None = None  # decode step seconds (exponential average)
         self.cost = PrefillCost()  # prefill seconds by tokens per forward
+        self.progress = None  # called after each prefill forward (the online engine's heartbeat)
         self.chunks = 0  # prefill forwards that stopped short of a prompt's end
         self.prefixes: PrefixCache | None = None  # where prompts start from, if set (Loop sets it)
 
@@ -129,6 +130,8 @@ class Admission:
 
     def _observe_prefill(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
+        if self.progress is not None:
+            self.progress()
 
     def admit(self, batch) -> list[Sequence]:
         """One iteration's prefill work for `batch` (a RaggedBatch). Returns the sequences that

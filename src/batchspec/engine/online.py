@@ -99,6 +99,7 @@ class OnlineEngine:
         if ctx.speculation is not None:
             ctx.speculation.defer = True  # its slow upkeep waits for a moment without requests
         self.loop = Loop(ctx, self._new_batch(), prefill_chunk, prefix_cache_tokens)
+        self.loop.admission.progress = self._beat  # a long prefill is progress, not a stall
         self.prefixes = self.loop.prefixes  # the prefix cache (prefixes.py), or None
         self.requests: dict[int, Request] = {}  # id(seq) -> request, engine thread only
         self.inbox: queue.Queue[Request] = queue.Queue()
@@ -133,8 +134,9 @@ class OnlineEngine:
         request.seq.cancelled = True
 
     def fault(self, stall_s: float) -> str | None:
-        """Why the engine cannot serve (health checks), or None: its thread is dead, or has not
-        begun an iteration for `stall_s` seconds (an idle engine still iterates every 50 ms)."""
+        """Why the engine cannot serve (health checks), or None: its thread is dead, or has neither
+        begun an iteration nor finished a prefill forward for `stall_s` seconds (an idle engine
+        still iterates every 50 ms)."""
         if not self.thread.is_alive():
             return "the engine thread is not running"
         late = time.monotonic() - self.beat
@@ -166,6 +168,9 @@ class OnlineEngine:
                 for seq in finished:
                     self._retire(seq)
                 self._update_gauges()
+
+    def _beat(self) -> None:
+        self.beat = time.monotonic()
 
     def _quiet(self) -> bool:
         """No request has arrived (the loop is idle)."""

@@ -68,18 +68,31 @@ def windowed(mask: torch.Tensor, window: int) -> torch.Tensor:
     positions; padded rows are realigned, without holes; a tree node sees its ancestors in order).
     The result for the last mask object seen is kept: every sliding layer of a forward gets the
     same one (masks are made for each forward and not changed in place)."""
+    if mask.shape[-1] <= window:  # no query has more keys than the window
+        return mask
     held = _windowed_last.get("entry")
     if held is not None and held[0]() is mask and held[1] == window:
         return held[2]
     allowed = mask if mask.dtype == torch.bool else mask == 0
-    later = allowed.flip(-1).cumsum(-1).flip(-1)  # allowed keys at or after each column
-    keep = allowed & (later <= window)
+    seen = allowed.cumsum(-1, dtype=torch.int32)  # allowed keys at or before each column
+    keep = allowed & (seen > seen[..., -1:] - window)  # the last `window` of them
     out = keep if mask.dtype == torch.bool else torch.zeros_like(mask).masked_fill(~keep, torch.finfo(mask.dtype).min)
     _windowed_last["entry"] = (weakref.ref(mask), window, out)
     return out
 
 
 _windowed_last: dict = {}
+
+
+def _layer_window(module) -> int | None:
+    """The window of a layer its model declares sliding (`layer_types`) where transformers does
+    not pass `sliding_window` to the attention function (some architectures build the window
+    into their own masks only)."""
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if types is None or index is None or index >= len(types) or types[index] != "sliding_attention":
+        return None
+    return getattr(config, "sliding_window", None)
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -91,7 +104,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     )  # features only transformers' function implements
     if kwargs.get("s_aux") is not None:
         raise BatchspecError("attention sinks (s_aux) are not implemented by batchspec's attention")
-    window = kwargs.get("sliding_window")
+    window = kwargs.get("sliding_window", _layer_window(module))
     if attention_mask is not None and window is not None:
         attention_mask = windowed(attention_mask, window)
     if attention_mask is None or only_stock:
