@@ -19,6 +19,10 @@ from batchspec.models.pair import load_pair
 from batchspec.models.support import check_supported
 
 WINDOW = 6
+#: The sizes of the small configs the refusal tests build (no weights are ever used).
+SMALL = dict(
+    vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16
+)
 
 
 @pytest.fixture(scope="module")
@@ -125,15 +129,7 @@ def test_sampled_rows_match_the_reference_sampler(sliding64):
 def test_soft_capped_attention_is_refused():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    config = Gemma2Config(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    )
+    config = Gemma2Config(num_hidden_layers=2, **SMALL)
     with pytest.raises(BatchspecError, match=r"soft-caps its attention logits \(attn_logit_softcapping=50"):
         check_supported(Gemma2ForCausalLM(config), "target")
 
@@ -186,16 +182,8 @@ def test_the_default_pairs_gguf_header_reads_llama():
 def test_chunked_attention_and_recurrent_models_are_refused_from_the_config():
     from transformers import Llama4TextConfig, RwkvConfig
 
-    chunked = Llama4TextConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        intermediate_size_mlp=64,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    )  # transformers caches its chunked layers as sliding ones: only the config tells them apart
+    # transformers caches Llama 4's chunked layers as sliding ones: only the config tells them apart
+    chunked = Llama4TextConfig(num_hidden_layers=4, intermediate_size_mlp=64, **SMALL)
     with pytest.raises(BatchspecError, match=r"llama4_text\) has layers of kind \['chunked_attention'\]"):
         support.check_config(chunked, "target")
     with pytest.raises(BatchspecError, match=r"the draft model \(rwkv\) keeps recurrent state"):
