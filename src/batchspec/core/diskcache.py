@@ -64,8 +64,16 @@ def digest(value) -> str:
 
 
 def file_sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    """A file's SHA-256, read once per process for each identity (path, size, modification time):
+    a GGUF's is asked for by the support check, its config and its load."""
+    key = file_identity(path)
+    if key not in _SHA256:
+        with open(path, "rb") as f:
+            _SHA256[key] = hashlib.file_digest(f, "sha256").hexdigest()
+    return _SHA256[key]
+
+
+_SHA256: dict[str, str] = {}  # file identity -> digest
 
 
 def file_identity(path: str) -> str:

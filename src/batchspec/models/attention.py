@@ -104,7 +104,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     )  # features only transformers' function implements
     if kwargs.get("s_aux") is not None:
         raise BatchspecError("attention sinks (s_aux) are not implemented by batchspec's attention")
-    window = kwargs.get("sliding_window", _layer_window(module))
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else _layer_window(module)
     if attention_mask is not None and window is not None:
         attention_mask = windowed(attention_mask, window)
     if attention_mask is None or only_stock:

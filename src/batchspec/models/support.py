@@ -31,6 +31,10 @@ GGUF_REFUSED = {
 LAYER_KINDS = ("full_attention", "sliding_attention")
 #: Model types whose state is not keys and values, though their configs declare no layer types.
 RECURRENT = ("rwkv", "xlstm", "mamba", "mamba2", "falcon_mamba")
+#: What a refusal of a layer kind says batchspec runs instead.
+KINDS_RUN = (
+    "batchspec supports full-attention and sliding-window layers only (no recurrent, linear or chunked attention)"
+)
 
 
 def check_config(config, role: str) -> None:
@@ -44,22 +48,18 @@ def check_config(config, role: str) -> None:
     kinds = sorted(set(getattr(text, "layer_types", None) or ()) - set(LAYER_KINDS))
     if kinds or getattr(text, "attention_chunk_size", None) is not None:
         raise BatchspecError(
-            f"the {role} model ({name}) has layers of kind {kinds or ['chunked_attention']}; batchspec supports "
-            "full-attention and sliding-window layers only (no recurrent, linear or chunked attention)"
+            f"the {role} model ({name}) has layers of kind {kinds or ['chunked_attention']}; {KINDS_RUN}"
         )
     odd = kv.unsupported_layers(text)
     if odd:
-        raise BatchspecError(
-            f"the {role} model ({text.model_type}) uses cache layers {sorted(odd)}; batchspec supports "
-            "full-attention and sliding-window layers only (no recurrent, linear or chunked attention)"
-        )
+        raise BatchspecError(f"the {role} model ({name}) uses cache layers {sorted(odd)}; {KINDS_RUN}")
     softcap = getattr(text, "attn_logit_softcapping", None)
     if softcap is not None:
         raise BatchspecError(
-            f"the {role} model ({text.model_type}) soft-caps its attention logits "
+            f"the {role} model ({name}) soft-caps its attention logits "
             f"(attn_logit_softcapping={softcap}); batchspec's attention does not implement that"
         )
-    if text.model_type == "gpt_oss":
+    if name == "gpt_oss":
         raise BatchspecError(f"the {role} model (gpt_oss) uses attention sinks; batchspec's attention does not")
 
 
