@@ -23,6 +23,7 @@ from .decoder import SpecDecoder
 from .distributed import tp
 from .models import invariant
 from .models.pair import DTYPES, PAIRS, PairSpec, target_config
+from .models.quant import QUANTS
 from .serving import access
 from .serving.config import ServeConfig
 from .tools import bench, equivalence
@@ -52,7 +53,11 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
     g.add_argument("--pair", choices=PAIRS, help="built-in pair (default: default, unless --target is given)")
     g.add_argument("--target", help="target model: a local HF directory, a .gguf file, or a hub id")
-    g.add_argument("--draft", help="draft model (same forms); without it the n-gram proposer is used")
+    g.add_argument(
+        "--draft",
+        help="draft model (same forms), or self: the target's own weights, quantized (--draft-quant); "
+        "without it the n-gram proposer is used",
+    )
     g.add_argument(
         "--dtype", choices=list(DTYPES), default="float32", help="float32 (default: exact) or bfloat16 (fast)"
     )
@@ -60,6 +65,12 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         "--draft-dtype",
         choices=list(DTYPES),
         help="the draft model's and draft head's own precision (default: --dtype); the output does not depend on it",
+    )
+    g.add_argument(
+        "--draft-quant",
+        choices=list(QUANTS),
+        help="the draft model's linear layers weight-only quantized (default: int8 for --draft self on a "
+        "CPU, else none); the output does not depend on it",
     )
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument(
@@ -441,7 +452,9 @@ def engine_config(args, method: str, batch_size: int, progress: bool) -> EngineC
 
 def pair_spec(args) -> PairSpec:
     """Where the pair comes from (the model options)."""
-    return PairSpec(args.pair, args.target, args.draft, args.dtype, args.device, args.tp, args.draft_dtype)
+    return PairSpec(
+        args.pair, args.target, args.draft, args.dtype, args.device, args.tp, args.draft_dtype, args.draft_quant
+    )
 
 
 def load_models(args):

@@ -121,9 +121,9 @@ def has_sliding_layers(config) -> bool:
 
 def entry_dtype(model) -> torch.dtype:
     """The dtype of `model`'s KV entries: its own layers' (`model.dtype` where a draft or head tied
-    to a target's embedding in another precision says so; transformers' models report their first
-    floating parameter's)."""
-    own = getattr(model, "dtype", None)
+    to a target's embedding in another precision says so, or `compute_dtype` (quant.self_draft);
+    transformers' models report their first floating parameter's)."""
+    own = getattr(model, "compute_dtype", None) or getattr(model, "dtype", None)
     return own if isinstance(own, torch.dtype) else next(model.parameters()).dtype
 
 

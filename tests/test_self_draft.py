@@ -1,0 +1,128 @@
+"""`--draft self` / `--draft-quant`: the target's own weights, weight-only quantized, as the draft
+model; the output is the target's own in every method, and bad options are refused clearly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import random_prompts, reference_tokens
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batchspec import BatchspecError, SamplingParams, SpecDecoder, load_pair
+from batchspec.cli import main
+from batchspec.models.linears import TunedLinear
+from batchspec.models.quant import DENSE_ROWS, QuantLinear, quantize
+
+
+@pytest.fixture(scope="module")
+def self_pairs():
+    """The float64 tiny target with its own copy as the draft, per quantization."""
+    return {q: load_pair("tiny", dtype="float64", draft="self", draft_quant=q) for q in ("int8", "int4", "none")}
+
+
+def test_the_self_draft_is_a_quantized_copy_sharing_only_the_embedding(self_pairs):
+    pair = self_pairs["int8"]
+    target, draft = pair.target, pair.draft
+    assert draft is not target and pair.default_proposer == "draft" and pair.draft_vocab_ids is None
+    layers = [m for m in draft.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.kind == "int8" and m.packed.dtype == torch.int8 for m in layers)
+    assert not any(isinstance(m, (torch.nn.Linear, TunedLinear)) for m in draft.modules())
+    # The target is untouched: its own linear layers, its float64 parameters.
+    assert any(isinstance(m, TunedLinear) for m in target.modules())
+    assert all(p.dtype == torch.float64 for p in target.parameters())
+    shared = {id(p) for p in target.parameters()} & {id(p) for p in draft.parameters()}
+    assert shared == {id(target.get_input_embeddings().weight)}
+    info = pair.describe()
+    assert info["draft"]["bytes"] < info["target"]["bytes"] / 4  # int8 against float64, embedding shared
+    assert info["draft_dtype"] in ("bfloat16", "float32") and "self (int8)" in info["pair"]
+
+
+def test_int4_layers_are_int4_where_the_width_allows(self_pairs):
+    kinds = {m.kind for m in self_pairs["int4"].draft.modules() if isinstance(m, QuantLinear)}
+    assert kinds == {"int4"}  # the tiny model's widths are multiples of 64
+    odd = QuantLinear(torch.randn(8, 48), None, "int4")
+    assert odd.kind == "int8"  # 48 inputs: no whole group of 64
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantized_layer_approximates_its_weight_in_both_paths(kind):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(128, 64)
+    quant = QuantLinear(layer.weight, layer.bias, kind)
+    x = torch.randn(DENSE_ROWS + 8, 128)
+    few, many = quant(x[:4]), quant(x)[:4]  # the kernel's path, and the dequantized product's
+    want = layer(x[:4])
+    tol = 0.05 if kind == "int8" else 0.25
+    assert few.dtype == many.dtype == torch.float32
+    assert (few - want).abs().max() < tol * want.abs().max()
+    assert (few - many).abs().max() < 0.02 * want.abs().max()
+
+
+@given(
+    seed=st.integers(0, 10**6),
+    quant=st.sampled_from(["int8", "int4", "none"]),
+    method=st.sampled_from(["ragged", "eqspec", "exspec"]),
+    proposer=st.sampled_from(["draft", "ngram+draft"]),
+    k=st.integers(1, 4),
+    batch_size=st.integers(1, 4),
+    branches=st.sampled_from([1, 1, 2]),
+)
+def test_the_self_draft_leaves_the_output_exact(
+    self_pairs, tiny64, seed, quant, method, proposer, k, batch_size, branches
+):
+    if method != "ragged":
+        branches = 1  # trees are verified by the ragged layout
+    prompts = random_prompts(seed, 4, 1, 40)
+    dec = SpecDecoder(
+        self_pairs[quant], method=method, proposer=proposer, k=k, batch_size=batch_size, branches=branches
+    )
+    got = [o.token_ids for o in dec.generate(prompts, SamplingParams(max_new_tokens=12))]
+    assert got == reference_tokens(tiny64, prompts, 12)  # the same float64 target, alone
+
+
+def test_the_self_draft_accepts_most_drafts(self_pairs):
+    """A copy of the target drafts what the target picks: with int8 weights nearly every draft is
+    accepted (the tiny pair's own draft model, a noisy copy, far fewer)."""
+    prompts = random_prompts(3, 4, 4, 30)
+    dec = SpecDecoder(self_pairs["int8"], method="ragged", proposer="draft", k=4, batch_size=4)
+    dec.generate(prompts, SamplingParams(max_new_tokens=24))
+    assert dec.stats.summary()["mean_accepted"] > 3.0
+
+
+def test_the_default_pairs_self_draft_is_exact(default_pair):
+    pair = load_pair("default", dtype="float32", draft="self")
+    assert pair.head is not None and pair.default_proposer == "draft"
+    prompts, params = ["Why is the sky blue?", "List three prime numbers."], SamplingParams(max_new_tokens=12)
+    want = [o.token_ids for o in SpecDecoder(default_pair, method="ar").generate(prompts, params)]
+    for method in ("ragged", "eqspec"):
+        dec = SpecDecoder(pair, method=method, proposer="draft", k=3, batch_size=2, check_invariants=True)
+        assert [o.token_ids for o in dec.generate(prompts, params)] == want, method
+
+
+def test_bad_self_draft_options_are_refused(tmp_path):
+    with pytest.raises(BatchspecError, match="unknown draft quantization 'int3'"):
+        load_pair("tiny", draft="self", draft_quant="int3")
+    with pytest.raises(BatchspecError, match="--draft self with --tp is not supported"):
+        load_pair("tiny", draft="self", tp_size=2)
+    with pytest.raises(BatchspecError, match="not both"):
+        load_pair("tiny", draft=str(tmp_path))
+    with pytest.raises(BatchspecError, match="runs on CPUs only"):
+        quantize(torch.nn.Linear(4, 4, device="meta"), "int8")
+    with pytest.raises(BatchspecError, match="unknown draft quantization"):
+        quantize(torch.nn.Linear(4, 4), "fp8")
+
+
+def test_draft_quant_without_a_draft_model_is_refused_before_loading(tmp_path):
+    with pytest.raises(BatchspecError, match="--draft-quant int8 needs a draft model"):
+        load_pair(target=str(tmp_path / "no-such-model"), draft_quant="int8")
+
+
+def test_cli_self_draft(tmp_path):
+    out = tmp_path / "g.json"
+    args = ["generate", "--pair", "tiny", "--draft", "self", "--draft-quant", "int4", "--proposer", "draft", "-k", "3"]
+    assert main([*args, "--max-new-tokens", "6", "--quiet", "--json", str(out), "hello"]) == 0
+    report = json.loads(out.read_text())
+    assert "self (int4)" in report["models"]["pair"] and report["models"]["draft"]["bytes"] > 0
