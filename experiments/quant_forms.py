@@ -60,11 +60,21 @@ def main() -> None:
         ],
         "int8": [(torch.ops.aten._weight_int8pack_mm, quantize_int8(w), w.shape[1], torch.bfloat16) for w in weights],
         "int4": [
-            (lambda x, p, s: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, GROUP, s), quantize_int4(w), w.shape[1], torch.bfloat16)
+            (
+                lambda x, p, s: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, GROUP, s),
+                quantize_int4(w),
+                w.shape[1],
+                torch.bfloat16,
+            )
             for w in weights
         ],
         "int8 dequantized": [
-            (lambda x, q, s: F.linear(x, q.to(torch.bfloat16) * s[:, None]), quantize_int8(w), w.shape[1], torch.bfloat16)
+            (
+                lambda x, q, s: F.linear(x, q.to(torch.bfloat16) * s[:, None]),
+                quantize_int8(w),
+                w.shape[1],
+                torch.bfloat16,
+            )
             for w in weights
         ],
     }
@@ -75,7 +85,9 @@ def main() -> None:
         print(f"{rows:>5} " + " ".join(f"{table[rows][name]:>18.1f}" for name in forms))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "ms_per_sweep": table}, f, indent=1)
+            json.dump(
+                {"torch": torch.__version__, "threads": torch.get_num_threads(), "ms_per_sweep": table}, f, indent=1
+            )
 
 
 if __name__ == "__main__":
