@@ -220,6 +220,26 @@ def test_explores_a_plain_step_when_it_always_verifies(tiny_same):
     assert dec.stats.chosen_k[0] == plain
 
 
+@pytest.mark.parametrize("draft_ms", [12.0, 0.1])
+def test_a_draft_that_costs_a_whole_step_never_runs(tiny_same, draft_ms):
+    """A draft model whose forward costs more than a plain target step (a self-draft as deep as
+    the target, say) cannot pay even if every draft is accepted: auto never drafts, explores or
+    feeds it a prompt, however long it runs. A cheap one (the control) does run."""
+    dec = SpecDecoder(tiny_same, method="ragged", batch_size=2, k="auto", proposer="draft")
+    step = _costs(per_token=1e-4, fixed=0.01)  # a plain step: ~10 ms; each verified column 0.1 ms more
+    dec.speculation = _adaptive(tiny_same, dec.proposer, step, _costs(per_token=0.0, fixed=draft_ms / 1000))
+    calls = []
+    hook = dec.proposer.model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        prompts = random_prompts(7, 2, 5, 20)
+        params = SamplingParams(max_new_tokens=3 * speculation.EXPLORE_EVERY, ignore_eos=True)
+        got = [o.token_ids for o in dec.generate(prompts, params)]
+    finally:
+        hook.remove()
+    assert got == reference_tokens(tiny_same, prompts, 3 * speculation.EXPLORE_EVERY)
+    assert (len(calls) == 0) == (draft_ms == 12.0), len(calls)
+
+
 def test_wide_steps_when_verification_is_nearly_free(tiny_same):
     """Verification costs almost nothing beyond a plain step and the draft (the target itself)
     is always right: the policy learns it and verifies the most drafts."""

@@ -29,7 +29,8 @@ choice weighs every step, is then measured at the batch's shape now, not only pr
 The k = 0 arm has no tax: before proposing, if no width q > 1 can beat a plain step (for a cheap
 proposer even if every row's drafts were of its best bin; for a draft model at the acceptance seen
 so far, one forward per draft a width verifies), the step is plain decoding (no proposer call, no
-extra tensors). Nor does a draft model's prefill tax it: the ragged layout does not feed a
+extra tensors). A draft model whose forward costs so much that no width could pay even if every
+draft were accepted is never asked, not even to explore. Nor does a draft model's prefill tax it: the ragged layout does not feed a
 sequence's prompt to the draft at admission (`lazy`) but when a step first drafts for it
 (`RaggedBatch.warm`). A draft model stops drafting as soon as one more draft is expected to lower
 the rate. Every row is verified over the same width q (the layouts' forwards are rectangular);
@@ -175,12 +176,24 @@ class Adaptive(Speculation):
         # stop rule ends drafting at the width worth verifying).
         call = self.prop_cost(rows, 1, span)
         model = self.proposer.model is not None
+        if model and self._never_pays(rows, span, call):
+            return 0  # not even to explore: drafting would first feed the draft every row's tokens
         rates = self._rates(a.cumprod(dim=1), 0.0 if model else call, rows, span, sunk=False, per_draft=call * model)
         if int(rates.argmax()) == 0 and self.unverified < EXPLORE_EVERY:
             for seq, r_b in zip(batch.seqs, r.tolist()):  # a row that does not speculate drifts back to average
                 self.ratio[seq] = r_b + 0.05 * (1.0 - r_b)
             return 0
         return self.k_max
+
+    def _never_pays(self, rows: int, span: int, call: float) -> bool:
+        """Whether a draft model costs so much per forward (`call` s) that no width could beat a
+        plain step even if every draft were accepted (a draft as deep as the target, say): then
+        the policy never drafts, and the layout never feeds it a prompt."""
+        plain = 1.0 / self.step_cost(rows, self._columns(0), span)
+        return all(
+            q / (self.step_cost(rows, self._columns(q - 1), span) + call * (q - 1)) <= plain
+            for q in range(2, self.k_max + 2)
+        )
 
     def stop_rule(self, batch, started: float):
         """For a drafting proposer: stop once one more draft is expected to lower the rate."""

@@ -1,0 +1,66 @@
+"""How often the target's own quantized copy picks the target's token, with all its layers or some
+skipped (a self-speculative draft that skips layers is cheaper per step, if it still agrees).
+
+Teacher-forced along the float32 target's own greedy continuations of Spec-Bench prompts: at each
+generated position, is the draft's argmax the target's token?
+
+    python experiments/self_draft_agreement.py [--quant int8] [--prompts N] [--new-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from batchspec import load_pair
+
+PROMPTS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "spec_bench", "question.jsonl")
+
+
+def layer_sets(n: int) -> dict[str, list[int]]:
+    return {
+        "all": list(range(n)),
+        "drop every 4th": [i for i in range(n) if i % 4 != 3],
+        "drop every 3rd": [i for i in range(n) if i % 3 != 2],
+        "drop every 2nd": [i for i in range(n) if i % 2 == 0 or i == n - 1],
+        "drop 8 of the last 10": [i for i in range(n) if not n - 10 <= i < n - 2],
+    }
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quant", default="int8", choices=["none", "int8", "int4"])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    pair = load_pair("default", dtype="float32", draft="self", draft_quant=args.quant)
+    with open(PROMPTS, encoding="utf-8") as f:
+        texts = [json.loads(line)["turns"][0] for line in f][::60][: args.prompts]
+    runs = []
+    for text in texts:
+        ids = torch.tensor([pair.encode(text)])
+        out = pair.target.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
+        runs.append((ids.shape[1], out))
+    layers = list(pair.draft.model.layers)
+    result = {}
+    for name, keep in layer_sets(len(layers)).items():
+        pair.draft.model.layers = torch.nn.ModuleList([layers[i] for i in keep])
+        agree = total = 0
+        for start, out in runs:
+            picks = pair.draft(input_ids=out, use_cache=False).logits[0, start - 1 : -1].argmax(-1)
+            agree += int((picks == out[0, start:]).sum())
+            total += out.shape[1] - start
+        result[name] = {"layers": len(keep), "agreement": round(agree / total, 3), "positions": total}
+        print(f"{name:24s} {len(keep):3d} layers  agreement {agree / total:.3f} ({total} positions)")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"quant": args.quant, "sets": result}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
