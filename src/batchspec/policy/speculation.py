@@ -30,11 +30,11 @@ The k = 0 arm has no tax: before proposing, if no width q > 1 can beat a plain s
 proposer even if every row's drafts were of its best bin; for a draft model at the acceptance seen
 so far, one forward per draft a width verifies), the step is plain decoding (no proposer call, no
 extra tensors). A draft model whose forward costs so much that no width could pay even if every
-draft were accepted is never asked, not even to explore. Nor does a draft model's prefill tax it: the ragged layout does not feed a
-sequence's prompt to the draft at admission (`lazy`) but when a step first drafts for it
-(`RaggedBatch.warm`). A draft model stops drafting as soon as one more draft is expected to lower
-the rate. Every row is verified over the same width q (the layouts' forwards are rectangular);
-row b verifies k_b = min(q - 1, its drafts) of them.
+draft were accepted is never asked, not even to explore. Nor does a draft model's prefill tax it:
+the ragged layout does not feed a sequence's prompt to the draft at admission (`lazy`) but when a
+step first drafts for it (`RaggedBatch.warm`). A draft model stops drafting as soon as one more
+draft is expected to lower the rate. Every row is verified over the same width q (the layouts'
+forwards are rectangular); row b verifies k_b = min(q - 1, its drafts) of them.
 
 Output never depends on these choices (acceptance.py, sampling.py); only speed does.
 """
