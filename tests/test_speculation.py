@@ -240,6 +240,27 @@ def test_a_draft_that_costs_a_whole_step_never_runs(tiny_same, draft_ms):
     assert (len(calls) == 0) == (draft_ms == 12.0), len(calls)
 
 
+@pytest.mark.parametrize("warm_s_per_token", [1.0, 0.0])
+def test_a_draft_is_not_fed_prompts_that_drafting_cannot_pay_back(tiny_same, warm_s_per_token):
+    """Drafting pays a little per step, but feeding the draft the rows it lacks (`warm`) costs a
+    second per token, more than drafting could save over the rows' remaining tokens: auto plans
+    plain steps and never feeds or runs the draft. When feeding is free (the control) it drafts."""
+    dec = SpecDecoder(tiny_same, method="ragged", batch_size=2, k="auto", proposer="draft")
+    dec.speculation = _adaptive(tiny_same, dec.proposer, _costs(per_token=1e-3), _costs(0.0, fixed=1e-3))
+    dec.speculation.warm_rate = warm_s_per_token  # as if timed in an earlier feed
+    dec.speculation.warmed = lambda tokens, seconds: None  # keep it
+    calls = []
+    hook = dec.proposer.model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        prompts = random_prompts(8, 3, 5, 20)
+        params = SamplingParams(max_new_tokens=2 * speculation.EXPLORE_EVERY, ignore_eos=True)
+        got = [o.token_ids for o in dec.generate(prompts, params)]
+    finally:
+        hook.remove()
+    assert got == reference_tokens(tiny_same, prompts, 2 * speculation.EXPLORE_EVERY)
+    assert (len(calls) == 0) == (warm_s_per_token == 1.0), len(calls)
+
+
 def test_wide_steps_when_verification_is_nearly_free(tiny_same):
     """Verification costs almost nothing beyond a plain step and the draft (the target itself)
     is always right: the policy learns it and verifies the most drafts."""

@@ -68,6 +68,10 @@ class Layout(Protocol):
         of rows fed (0: nothing to do, the default)."""
         return 0
 
+    def cold(self, role: str) -> int:
+        """Tokens `warm` would feed role's cache now (0 by default)."""
+        return 0
+
     def attended_span(self) -> int:
         """The slots a row's attention reads in the next forward, on average, near enough: by default
         the longest row's length (a padded batch attends that far for every row)."""

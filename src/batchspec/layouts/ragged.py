@@ -180,15 +180,20 @@ class RaggedBatch(Layout):
         self.incoming -= len(batch.seqs)
         self.seqs.extend(batch.seqs)
 
+    def _cold_rows(self, role: str) -> list[int]:
+        """Rows whose `role` cache holds nothing yet (and that have tokens to feed), shortest first."""
+        rows = (b for b in range(len(self.seqs)) if int(self.counts[role][b]) == 0 and len(self.seqs[b]) > 1)
+        return sorted(rows, key=lambda b: len(self.seqs[b]))
+
+    def cold(self, role: str) -> int:
+        return sum(len(self.seqs[b]) - 1 for b in self._cold_rows(role))
+
     def warm(self, proposer) -> int:
         """Feed `proposer`'s cache the committed tokens (all but the last, as a prefill leaves it)
         of every row that holds none: rows admitted while a lazy policy drafted nothing. One
         padded forward per length bucket, each row's entries copied in once. Returns the rows fed."""
-        role, n = proposer.role, len(self.seqs)
-        cold = sorted(
-            (b for b in range(n) if int(self.counts[role][b]) == 0 and len(self.seqs[b]) > 1),
-            key=lambda b: len(self.seqs[b]),
-        )
+        role = proposer.role
+        cold = self._cold_rows(role)
         for rows in buckets(cold, lambda b: len(self.seqs[b])):
             part = PaddedBatch(
                 [self.seqs[b] for b in rows], kv.empty_caches({role: proposer.model}), self.pad_id, self.device

@@ -68,6 +68,9 @@ ROW_RATE = 0.3
 #: corrected by steps that test them. Costs at most one 2-token verify per this many steps. After
 #: as many steps that all verified, the next is plain, for the same reason.
 EXPLORE_EVERY = 32
+#: A row's remaining tokens that feeding the draft its prompt (a warm) may be paid back over, at
+#: most (rows often stop at EOS well before their budget).
+WARM_HORIZON = 128
 #: A cost fit read from the disk cache whose load factor (timed / fitted) is outside 1 / DRIFT ..
 #: DRIFT (looked at every DRIFT_STEPS timed steps) was measured on another machine state (a
 #: quieter or busier day): it is probed again, once per policy, and the cache updated.
@@ -105,6 +108,10 @@ class Speculation(Protocol):
     def describe(self) -> dict | None:
         """What the policy measured and learned, for the run's stats (None: nothing to say)."""
         ...
+
+    def warmed(self, tokens: int, seconds: float) -> None:
+        """The layout fed the proposer `tokens` tokens of rows it lacked (`Layout.warm`) in `seconds`."""
+        return None
 
 
 class Fixed(Speculation):
@@ -160,6 +167,7 @@ class Adaptive(Speculation):
         self.unverified = 0  # steps since the last one that verified a draft
         self.unplain = 0  # steps since the last plain one
         self.ratio: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> r_b
+        self.warm_rate: float | None = None  # seconds per token of feeding the draft rows it lacks
 
     # --- before proposing -----------------------------------------------------------------
     def plan(self, batch) -> int:
@@ -179,11 +187,32 @@ class Adaptive(Speculation):
         if model and self._never_pays(rows, span, call):
             return 0  # not even to explore: drafting would first feed the draft every row's tokens
         rates = self._rates(a.cumprod(dim=1), 0.0 if model else call, rows, span, sunk=False, per_draft=call * model)
+        if model and not self._warm_pays(batch, rates):
+            return 0  # feeding the draft the rows it lacks would cost more than drafting saves
         if int(rates.argmax()) == 0 and self.unverified < EXPLORE_EVERY:
             for seq, r_b in zip(batch.seqs, r.tolist()):  # a row that does not speculate drifts back to average
                 self.ratio[seq] = r_b + 0.05 * (1.0 - r_b)
             return 0
         return self.k_max
+
+    def _warm_pays(self, batch, rates: torch.Tensor) -> bool:
+        """Whether drafting now is worth feeding the draft the rows it lacks first (`Layout.warm`:
+        rows admitted while nothing was drafted): the feed's cost, at the seconds per token timed
+        in earlier feeds, against the time the best width saves over the rows' remaining tokens
+        (at most WARM_HORIZON each) at the rates estimated now. Exploring never pays for it; before
+        any feed was timed, the first is taken."""
+        cold = batch.cold(self.proposer.role) if batch.warms else 0
+        if not cold or self.warm_rate is None:
+            return True
+        remaining = sum(min(seq.max_len - len(seq), WARM_HORIZON) for seq in batch.seqs)
+        best, plain = float(rates.max()), float(rates[0])
+        saved = remaining * (1.0 / plain - 1.0 / best)
+        return saved > cold * self.warm_rate
+
+    def warmed(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            rate = seconds / tokens
+            self.warm_rate = rate if self.warm_rate is None else 0.5 * (self.warm_rate + rate)
 
     def _never_pays(self, rows: int, span: int, call: float) -> bool:
         """Whether a draft model costs so much per forward (`call` s) that no width could beat a
