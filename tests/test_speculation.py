@@ -242,11 +242,12 @@ def test_a_draft_that_costs_a_whole_step_never_runs(tiny_same, draft_ms):
 
 @pytest.mark.parametrize("warm_s_per_token", [1.0, 0.0])
 def test_a_draft_is_not_fed_prompts_that_drafting_cannot_pay_back(tiny_same, warm_s_per_token):
-    """Drafting pays a little per step, but feeding the draft the rows it lacks (`warm`) costs a
-    second per token, more than drafting could save over the rows' remaining tokens: auto plans
-    plain steps and never feeds or runs the draft. When feeding is free (the control) it drafts."""
+    """A heavy draft (a forward a third of a plain step) pays a little per step, but feeding it the
+    rows it lacks (`warm`) costs a second per token, more than drafting could save over the rows'
+    remaining tokens: auto plans plain steps and never feeds or runs the draft. When feeding is
+    free (the control) it drafts."""
     dec = SpecDecoder(tiny_same, method="ragged", batch_size=2, k="auto", proposer="draft")
-    dec.speculation = _adaptive(tiny_same, dec.proposer, _costs(per_token=1e-3), _costs(0.0, fixed=1e-3))
+    dec.speculation = _adaptive(tiny_same, dec.proposer, _costs(per_token=1e-3), _costs(0.0, fixed=4e-3))
     dec.speculation.warm_rate = warm_s_per_token  # as if timed in an earlier feed
     dec.speculation.warmed = lambda tokens, seconds: None  # keep it
     calls = []

@@ -71,6 +71,12 @@ EXPLORE_EVERY = 32
 #: A row's remaining tokens that feeding the draft its prompt (a warm) may be paid back over, at
 #: most (rows often stop at EOS well before their budget).
 WARM_HORIZON = 128
+#: A draft model whose forward costs at least this share of a plain target step weighs the feed of
+#: the rows it lacks before drafting (`_warm_pays`): a self-draft, a sibling a third of the target's
+#: size. A lighter one (the shipped 2-layer draft, a draft head: 5-10%) feeds them as it drafts; its
+#: feed costs little beside the target's own prefill, and the estimate (which does not count what
+#: lookup first adds) kept the built-in pair from speculating at all at B = 4.
+HEAVY_DRAFT = 0.25
 #: A cost fit read from the disk cache whose load factor (timed / fitted) is outside 1 / DRIFT ..
 #: DRIFT (looked at every DRIFT_STEPS timed steps) was measured on another machine state (a
 #: quieter or busier day): it is probed again, once per policy, and the cache updated.
@@ -187,7 +193,8 @@ class Adaptive(Speculation):
         if model and self._never_pays(rows, span, call):
             return 0  # not even to explore: drafting would first feed the draft every row's tokens
         rates = self._rates(a.cumprod(dim=1), 0.0 if model else call, rows, span, sunk=False, per_draft=call * model)
-        if model and not self._warm_pays(batch, rates):
+        heavy = model and call >= HEAVY_DRAFT * self.step_cost(rows, self._columns(0), span)
+        if heavy and not self._warm_pays(batch, rates):
             return 0  # feeding the draft the rows it lacks would cost more than drafting saves
         if int(rates.argmax()) == 0 and self.unverified < EXPLORE_EVERY:
             for seq, r_b in zip(batch.seqs, r.tolist()):  # a row that does not speculate drifts back to average
@@ -207,7 +214,7 @@ class Adaptive(Speculation):
         remaining = sum(min(seq.max_len - len(seq), WARM_HORIZON) for seq in batch.seqs)
         best, plain = float(rates.max()), float(rates[0])
         saved = remaining * (1.0 / plain - 1.0 / best)
-        return saved > cold * self.warm_rate
+        return saved >= cold * self.warm_rate
 
     def warmed(self, tokens: int, seconds: float) -> None:
         if tokens > 0:
