@@ -1,12 +1,12 @@
 """Attention for batchspec's masked forwards: grouped-query heads packed into the query, and per-row
 spans in the ragged layout. Same math as transformers' SDPA attention, less memory traffic.
 
-- **Packed GQA.** With a mask and more than one query token, transformers' SDPA path repeats every
-  key/value head for each query head of its group (`repeat_kv`: a copy of the whole cache per
-  layer). Here the group's query heads are folded into the query length instead ([B, H_kv, g*q, D]
-  against the cache's own [B, H_kv, L, D]; the mask repeated along the queries), as transformers
-  already does for one query token. Measured per layer at B = 16, 5 query tokens, 1,024 cached,
-  SmolLM2's 9/3 heads on 2 CPU cores: 32.8 ms -> 3.7 ms, bit-identical outputs in that measurement.
+- **Packed GQA.** With a mask, transformers' SDPA path repeats every key/value head for each query
+  head of its group (`repeat_kv`: a copy of the whole cache per layer). Here the group's query
+  heads are folded into the query length instead ([B, H_kv, g*q, D] against the cache's own
+  [B, H_kv, L, D]; the mask repeated along the queries). Measured per layer at B = 16, 5 query
+  tokens, 1,024 cached, SmolLM2's 9/3 heads on 2 CPU cores: 32.8 ms -> 3.7 ms, bit-identical
+  outputs in that measurement.
 - **Row spans.** Rows of a ragged batch end at different slots; attending every row over the
   longest row's span wastes the difference. The ragged layout's cache (`slots.SlotCache`) keeps rows
   in size classes and hands each class's rows over their own span (`slots.RowParts`): one kernel call
@@ -18,8 +18,9 @@ spans in the ragged layout. Same math as transformers' SDPA attention, less memo
   of such layers, so realignment and the ragged slots work as for full attention.
 
 Registered as the attention implementation "batchspec" (`install`). Calls without a mask (the
-reference decoder's plain forwards) go to transformers' SDPA function unchanged, and so does each
-run of one query token (transformers packs those itself).
+reference decoder's plain forwards) go to transformers' SDPA function unchanged. One query token
+is packed too: in bfloat16, SDPA over SmolLM2's 9 query heads against their repeated keys took
+176 us per layer at 300 cached tokens, packed into the 3 key/value heads 39 us (float32: equal).
 """
 
 from __future__ import annotations
