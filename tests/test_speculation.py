@@ -228,16 +228,8 @@ def test_a_draft_that_costs_a_whole_step_never_runs(tiny_same, draft_ms):
     dec = SpecDecoder(tiny_same, method="ragged", batch_size=2, k="auto", proposer="draft")
     step = _costs(per_token=1e-4, fixed=0.01)  # a plain step: ~10 ms; each verified column 0.1 ms more
     dec.speculation = _adaptive(tiny_same, dec.proposer, step, _costs(per_token=0.0, fixed=draft_ms / 1000))
-    calls = []
-    hook = dec.proposer.model.register_forward_hook(lambda *args: calls.append(1))
-    try:
-        prompts = random_prompts(7, 2, 5, 20)
-        params = SamplingParams(max_new_tokens=3 * speculation.EXPLORE_EVERY, ignore_eos=True)
-        got = [o.token_ids for o in dec.generate(prompts, params)]
-    finally:
-        hook.remove()
-    assert got == reference_tokens(tiny_same, prompts, 3 * speculation.EXPLORE_EVERY)
-    assert (len(calls) == 0) == (draft_ms == 12.0), len(calls)
+    calls = _draft_forwards(dec, tiny_same, random_prompts(7, 2, 5, 20), 3 * speculation.EXPLORE_EVERY)
+    assert (calls == 0) == (draft_ms == 12.0), calls
 
 
 @pytest.mark.parametrize("warm_s_per_token", [1.0, 0.0])
@@ -250,16 +242,23 @@ def test_a_draft_is_not_fed_prompts_that_drafting_cannot_pay_back(tiny_same, war
     dec.speculation = _adaptive(tiny_same, dec.proposer, _costs(per_token=1e-3), _costs(0.0, fixed=4e-3))
     dec.speculation.warm_rate = warm_s_per_token  # as if timed in an earlier feed
     dec.speculation.warmed = lambda tokens, seconds: None  # keep it
+    calls = _draft_forwards(dec, tiny_same, random_prompts(8, 3, 5, 20), 2 * speculation.EXPLORE_EVERY)
+    assert (calls == 0) == (warm_s_per_token == 1.0), calls
+
+
+def _draft_forwards(dec, pair, prompts, max_new_tokens: int) -> int:
+    """Decode `prompts` with `dec` (greedy, EOS ignored), check the output is the reference's, and
+    return how many forwards its draft model ran."""
     calls = []
     hook = dec.proposer.model.register_forward_hook(lambda *args: calls.append(1))
     try:
-        prompts = random_prompts(8, 3, 5, 20)
-        params = SamplingParams(max_new_tokens=2 * speculation.EXPLORE_EVERY, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
         got = [o.token_ids for o in dec.generate(prompts, params)]
     finally:
         hook.remove()
-    assert got == reference_tokens(tiny_same, prompts, 2 * speculation.EXPLORE_EVERY)
-    assert (len(calls) == 0) == (warm_s_per_token == 1.0), len(calls)
+    ref = SpecDecoder(pair, method="reference").generate(prompts, params)
+    assert got == [o.token_ids for o in ref]
+    return len(calls)
 
 
 def test_wide_steps_when_verification_is_nearly_free(tiny_same):
