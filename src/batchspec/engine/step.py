@@ -170,8 +170,8 @@ def _plan(ctx: Context, batch: Layout) -> tuple[int, float]:
     k = tp.agree(ctx.speculation.plan(batch)) if ctx.proposer is not None and ctx.speculation.k_max > 0 else 0
     if k > 0 and ctx.proposer.role is not None:
         with ctx.stats.stage("prefill"):
-            tokens = batch.cold(ctx.proposer.role)
-            if batch.warm(ctx.proposer):
+            tokens = batch.warm(ctx.proposer)
+            if tokens:
                 fed, started = started, timed(ctx.device)
                 ctx.speculation.warmed(tokens, started - fed)
     return k, started

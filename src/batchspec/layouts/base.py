@@ -65,7 +65,7 @@ class Layout(Protocol):
 
     def warm(self, proposer) -> int:
         """Feed `proposer`'s cache the rows it lacks (admitted while nothing was drafted); the number
-        of rows fed (0: nothing to do, the default)."""
+        of tokens fed (0: nothing to do, the default)."""
         return 0
 
     def cold(self, role: str) -> int:

@@ -186,12 +186,12 @@ class RaggedBatch(Layout):
         return sorted(rows, key=lambda b: len(self.seqs[b]))
 
     def cold(self, role: str) -> int:
-        return sum(len(self.seqs[b]) - 1 for b in self._cold_rows(role))
+        return sum(len(self.seqs[b]) - 1 for b in self._cold_rows(role))  # what `warm` would feed
 
     def warm(self, proposer) -> int:
         """Feed `proposer`'s cache the committed tokens (all but the last, as a prefill leaves it)
         of every row that holds none: rows admitted while a lazy policy drafted nothing. One
-        padded forward per length bucket, each row's entries copied in once. Returns the rows fed."""
+        padded forward per length bucket, each row's entries copied in once. Returns the tokens fed."""
         role = proposer.role
         cold = self._cold_rows(role)
         for rows in buckets(cold, lambda b: len(self.seqs[b])):
@@ -203,7 +203,7 @@ class RaggedBatch(Layout):
                 self.caches[role].release(b)  # placed by no forward yet, but never twice
                 self.caches[role].install(b, entries)
                 self.counts[role][b] = kv.count(entries)
-        return len(cold)
+        return sum(len(self.seqs[b]) - 1 for b in cold)
 
     def attended_span(self) -> int:
         """Slots a row's attention reads next step, on average (each size class's rows read up to

@@ -151,8 +151,8 @@ def _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype=None, dr
         raise BatchspecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if draft_dtype is not None and draft_dtype not in DTYPES:
         raise BatchspecError(f"unknown draft dtype {draft_dtype!r}; choose one of {', '.join(DTYPES)}")
-    if draft_quant is not None and draft_quant not in quant.QUANTS:
-        raise BatchspecError(f"unknown draft quantization {draft_quant!r}; choose one of {', '.join(quant.QUANTS)}")
+    if draft_quant is not None:
+        quant.check(draft_quant, "cpu")  # a known kind; the device is checked where the draft is made
     if draft_quant not in (None, "none") and draft is None and target is not None:
         raise BatchspecError(f"--draft-quant {draft_quant} needs a draft model (--draft PATH or --draft self)")
     if draft == SELF and tp_size > 1:
@@ -212,8 +212,7 @@ def _use_self_draft(pair: ModelPair, device: str, draft_dtype: str | None, draft
     kind = draft_quant or ("int8" if on_cpu else "none")
     if draft_dtype is None:
         draft_dtype = "bfloat16" if not on_cpu or cpu_has_bf16() else "float32"
-    if kind != "none" and not on_cpu:
-        quant.quantize(torch.nn.Linear(1, 1, device=device), kind)  # refuses, naming the device
+    quant.check(kind, device)
     pair.draft = quant.self_draft(pair.target, kind, DTYPES[draft_dtype])
     pair.draft.batchspec_source = f"{getattr(pair.target, 'batchspec_source', pair.name)}:self-{kind}-{draft_dtype}"
     pair.draft_vocab_ids = None

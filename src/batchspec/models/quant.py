@@ -91,27 +91,31 @@ class QuantLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
 
 
-def _linear(module: torch.nn.Module) -> bool:
-    return type(module) in (torch.nn.Linear, TunedLinear)
+def _replace_linears(model: torch.nn.Module, make) -> None:
+    """Swap every linear layer of `model` (nn.Linear or TunedLinear) for `make(layer)`, in place."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) in (torch.nn.Linear, TunedLinear):
+                setattr(parent, name, make(child))
+
+
+def check(kind: str, device: torch.device | str) -> None:
+    """Refuse a quantization this module does not know, or one whose kernels `device` lacks."""
+    if kind not in QUANTS:
+        raise BatchspecError(f"unknown draft quantization {kind!r}; choose one of {', '.join(QUANTS)}")
+    if kind != "none" and torch.device(device).type != "cpu":
+        raise BatchspecError(
+            f"--draft-quant {kind} runs on CPUs only (PyTorch's weight-only kernels); the draft is on "
+            f"{device}: use --draft-quant none there"
+        )
 
 
 def quantize(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     """Swap every linear layer of `model` (nn.Linear or TunedLinear) for a QuantLinear of `kind`
     ("none": nothing changes), in place. Needs a CPU model: the kernels are PyTorch's CPU ones."""
-    if kind not in QUANTS:
-        raise BatchspecError(f"unknown draft quantization {kind!r}; choose one of {', '.join(QUANTS)}")
-    if kind == "none":
-        return model
-    device = next(model.parameters()).device
-    if device.type != "cpu":
-        raise BatchspecError(
-            f"--draft-quant {kind} runs on CPUs only (PyTorch's weight-only kernels); the draft is on "
-            f"{device}: use --draft-quant none there"
-        )
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if _linear(child):
-                setattr(parent, name, QuantLinear(child.weight, child.bias, kind))
+    check(kind, next(model.parameters()).device)
+    if kind != "none":
+        _replace_linears(model, lambda layer: QuantLinear(layer.weight, layer.bias, kind))
     return model
 
 
@@ -138,11 +142,10 @@ def self_draft(target: torch.nn.Module, kind: str, dtype: torch.dtype) -> torch.
     shared = {id(p): p for p in target.parameters()}
     shared |= {id(m.table): m.table for m in target.modules() if isinstance(m, TunedLinear)}
     draft = copy.deepcopy(target, memo=shared)  # new modules; the target's Parameters in them
-    for parent in list(draft.modules()):
-        for name, child in list(parent.named_children()):
-            if _linear(child):  # quantized (kind) or, for "none", copied in dtype
-                new = QuantLinear(child.weight, child.bias, kind) if kind != "none" else _cast_copy(child, dtype)
-                setattr(parent, name, new)
+    if kind == "none":  # its own copy in dtype
+        _replace_linears(draft, lambda layer: _cast_copy(layer, dtype))
+    else:
+        _replace_linears(draft, lambda layer: QuantLinear(layer.weight, layer.bias, kind))
     embedding = draft.get_input_embeddings()
     for module in draft.modules():
         for pname, param in list(module.named_parameters(recurse=False)):

@@ -190,10 +190,11 @@ class Adaptive(Speculation):
         # stop rule ends drafting at the width worth verifying).
         call = self.prop_cost(rows, 1, span)
         model = self.proposer.model is not None
-        if model and self._never_pays(rows, span, call):
+        plain = self.step_cost(rows, self._columns(0), span)  # seconds of a plain step
+        if model and self._never_pays(rows, span, call, plain):
             return 0  # not even to explore: drafting would first feed the draft every row's tokens
         rates = self._rates(a.cumprod(dim=1), 0.0 if model else call, rows, span, sunk=False, per_draft=call * model)
-        heavy = model and call >= HEAVY_DRAFT * self.step_cost(rows, self._columns(0), span)
+        heavy = model and call >= HEAVY_DRAFT * plain
         if heavy and not self._warm_pays(batch, rates):
             return 0  # feeding the draft the rows it lacks would cost more than drafting saves
         if int(rates.argmax()) == 0 and self.unverified < EXPLORE_EVERY:
@@ -221,13 +222,12 @@ class Adaptive(Speculation):
             rate = seconds / tokens
             self.warm_rate = rate if self.warm_rate is None else 0.5 * (self.warm_rate + rate)
 
-    def _never_pays(self, rows: int, span: int, call: float) -> bool:
+    def _never_pays(self, rows: int, span: int, call: float, plain: float) -> bool:
         """Whether a draft model costs so much per forward (`call` s) that no width could beat a
-        plain step even if every draft were accepted (a draft as deep as the target, say): then
+        plain step (`plain` s) even if every draft were accepted (a draft as deep as the target, say): then
         the policy never drafts, and the layout never feeds it a prompt."""
-        plain = 1.0 / self.step_cost(rows, self._columns(0), span)
         return all(
-            q / (self.step_cost(rows, self._columns(q - 1), span) + call * (q - 1)) <= plain
+            q / (self.step_cost(rows, self._columns(q - 1), span) + call * (q - 1)) <= 1.0 / plain
             for q in range(2, self.k_max + 2)
         )
 
