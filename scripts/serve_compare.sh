@@ -15,7 +15,7 @@
 #   head matter) and synthetic (aiperf's own random prompts of ISL tokens).
 # Every request is greedy (temperature 0): transformers' continuous batching takes its sampling
 # parameters from the first request, so only greedy compares like with like.
-# Rounds alternate the servers' order (one server's speed drifts between runs on a shared machine).
+# Every (server, workload, C) point gets a freshly started server. Rounds alternate the servers' order (one server's speed drifts between runs on a shared machine).
 #
 # Usage: scripts/serve_compare.sh [OUT]            (default OUT: runs/serve_compare)
 # Env: CONCURRENCY (1,2,4,8,16)  ROUNDS (1)  MAX_TOKENS (64)  ISL (256)  REQUESTS (16)
@@ -114,16 +114,18 @@ for ((r = 0; r < rounds; r++)); do
       echo "  offline      specbench C=$batch: $("$PY" -c "import json,sys; print(round(json.load(open(sys.argv[1]))['runs'][0]['tokens_per_s'], 3))" "$dir/offline.json") tok/s"
       continue
     fi
-    port=$(free_port); log="$out/r$r-$s.server.log"
-    t0=$(date +%s%N)
-    pid=$(start "$s" "$port" "$log")
-    until curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 || curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null 2>&1; do
-      kill -0 "$pid" 2>/dev/null || { echo "$s exited:" >&2; tail -20 "$log" >&2; exit 1; }
-      sleep 1
-    done
-    echo "r$r $s ready in $(( ($(date +%s%N) - t0) / 1000000 )) ms"
     for w in "${workload_list[@]}"; do
       for c in "${conc_list[@]}"; do
+        # A fresh server for every point: one process serving C = 1, 2, ... in turn would start the
+        # later points' repeated prompts from its prefix cache (and the peer from a warmer state).
+        port=$(free_port); log="$out/r$r-$s-$w-c$c.server.log"
+        t0=$(date +%s%N)
+        pid=$(start "$s" "$port" "$log")
+        until curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 || curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null 2>&1; do
+          kill -0 "$pid" 2>/dev/null || { echo "$s exited:" >&2; tail -20 "$log" >&2; exit 1; }
+          sleep 1
+        done
+        echo "r$r $s $w C=$c: ready in $(( ($(date +%s%N) - t0) / 1000000 )) ms"
         dir="$out/r$r/$s/$w/c$c"; mkdir -p "$(dirname "$dir")"
         profile "$s" "$port" "$w" "$c" "$dir"
         "$PY" - "$dir/profile_export_aiperf.json" "$s" "$w" "$c" <<'EOF' || true
@@ -134,9 +136,9 @@ print(f"  {sys.argv[2]:12s} {sys.argv[3]:9s} C={sys.argv[4]:>2s}: {g('output_tok
       f"TTFT p50 {g('time_to_first_token', 'p50')} ms  ITL p50 {g('inter_chunk_latency', 'p50')} ms  "
       f"errors {d.get('error_summary') or 0}")
 EOF
+        kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
       done
     done
-    kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
   done
 done
 echo "done: $out (report: $PY scripts/serve_report.py $out)"
