@@ -5,8 +5,9 @@ Usage: python scripts/serve_report.py OUT   (writes OUT/report.md, OUT/summary.j
 Per (workload, server, C): output throughput (the offline engine's too, where it ran: prefill
 included, as a client's wall clock counts it), TTFT p50/p99, ITL p50/p99 (the gap between streamed
 chunks, as a client sees it) and TPOT p50 (a request's decode time per token), each the median over
-rounds. Ratios to the peer (`transformers`) are taken within a round, then the median over rounds,
-since one server's speed alone drifts between runs on a shared machine.
+rounds. Ratios to the peer (`transformers`), to the offline engine and to `--no-spec` are taken
+within a round, then the median over rounds, since one server's speed alone drifts between runs on a
+shared machine.
 """
 
 import json
@@ -67,6 +68,8 @@ def summarise(runs: dict) -> dict:
         entry["vs peer"], entry["TTFT vs peer"] = median(ratios), median(ttft)
         online = [row["tok/s"] / off["tok/s"] for rnd, row in rows if (off := runs.get((rnd, "offline", workload, c)))]
         entry["vs offline"] = median(online) if server != "offline" else None
+        nospec = [row["tok/s"] / n["tok/s"] for rnd, row in rows if (n := runs.get((rnd, "nospec", workload, c)))]
+        entry["vs nospec"] = median(nospec) if server not in ("offline", "nospec") else None
         entry["rounds"] = len(rows)
         table[(workload, server, c)] = entry
     return table
@@ -76,13 +79,13 @@ def markdown(table: dict) -> str:
     lines = []
     for workload in sorted({w for w, _, _ in table}):
         lines += [f"### {workload}", ""]
-        cols = ["server", "C", *METRICS, "vs peer", "TTFT vs peer", "vs offline", "errors"]
+        cols = ["server", "C", *METRICS, "vs peer", "TTFT vs peer", "vs offline", "vs nospec", "errors"]
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for (w, server, c), e in sorted(table.items(), key=lambda kv: (kv[0][2], kv[0][1] != PEER, kv[0][1])):
             if w != workload:
                 continue
             cells = [server, str(c)]
-            for col in [*METRICS, "vs peer", "TTFT vs peer", "vs offline"]:
+            for col in [*METRICS, "vs peer", "TTFT vs peer", "vs offline", "vs nospec"]:
                 v, ratio = e[col], col.startswith(("vs", "TTFT vs"))
                 cells.append("" if v is None or (server == PEER and ratio) else f"{v:.2f}" if ratio else f"{v:.1f}")
             cells.append(str(e["errors"]))

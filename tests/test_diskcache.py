@@ -169,30 +169,38 @@ def test_a_server_probes_a_drifted_fit_when_idle_not_mid_step(cache, monkeypatch
         policy._check_drift()
     assert policy.stale == ["target"] and not policy.reprobed
     assert diskcache.read("step-probes", key) == stale
-    policy.idle()
+    policy.idle(stop=lambda: True)  # a request arrived: abandoned, nothing kept, still to do
+    assert policy.stale == ["target"] and not policy.reprobed
+    assert diskcache.read("step-probes", key) == stale
+    policy.idle(stop=lambda: False)
     assert policy.reprobed and not policy.stale
     assert diskcache.read("step-probes", key) != stale
 
 
-def test_the_online_engine_defers_upkeep_to_idle_moments():
+def test_the_online_engine_defers_upkeep_to_a_lull(monkeypatch):
+    """Upkeep waits for QUIET_S without requests, and is told how to notice one arriving."""
+    from batchspec.engine import online
     from batchspec.engine.online import OnlineEngine
     from batchspec.engine.step import Context
 
+    monkeypatch.setattr(online, "QUIET_S", 0.3)
     pair = tiny_pair()
     policy = speculation.Adaptive(pair.target, _ngram(pair), 2, k_max=2)
     calls = []
-    policy.idle = lambda: calls.append(1)
+    policy.idle = lambda stop=None: calls.append((time.monotonic(), stop))
     ctx = Context(
         target=pair.target, proposer=_ngram(pair), k=2, pad_id=pair.pad_id, device=pair.device, speculation=policy
     )
+    started = time.monotonic()
     engine = OnlineEngine(ctx, 2, 512, pair.decode).start()
     try:
         deadline = time.monotonic() + 10
         while not calls and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert calls and calls[0][1]() is False  # no request has arrived
     finally:
         engine.shutdown()
-    assert policy.defer and calls
+    assert policy.defer and calls[0][0] - started >= 0.3
 
 
 def _ngram(pair):

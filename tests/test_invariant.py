@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec import EngineConfig, SamplingParams, SpecDecoder, tiny_pair
+from batchspec.cache import kv
 from batchspec.cli import main
 from batchspec.core.errors import BatchspecError
 from batchspec.models import attention as plain_attention
@@ -209,6 +210,22 @@ def test_every_method_equals_the_reference_under_the_mode(mode_pair, seed, metho
         assert [e.top for e in g.logprobs] == [e.top for e in r.logprobs]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_of_several_size_classes_read_in_place(dtype):
+    """The ragged layout's rows in several size classes (slots.RowParts: 256, 512, 1024 slots), each
+    attended over its own slab, its float32 entries read in place: bit-equal to the reference."""
+    pair = tiny_pair(dtype=dtype)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (12, 300, 40, 700, 3, 250)]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=1)
+    ref = [_outputs(pair, [p], params, method="reference")[0] for p in prompts]
+    dec = SpecDecoder(pair, EngineConfig(batch_invariant=True, method="ragged", batch_size=6, k=3))
+    got = dec.generate(prompts, params)
+    for r, g in zip(ref, got):
+        assert g.token_ids == r.token_ids
+        assert [e.logprob for e in g.logprobs] == [e.logprob for e in r.logprobs]
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_any_batch():
     pair = tiny_pair(dtype=torch.bfloat16)
     prompts = random_prompts(77, 7, 1, 60)
@@ -226,12 +243,14 @@ def test_install_and_uninstall():
     SpecDecoder(pair, batch_invariant=True)
     assert invariant.installed(target) and "forward" in vars(rotary)
     assert all(m.table.fixed is not None for m in target.modules() if hasattr(m, "table"))
+    assert kv.entry_dtype(target) == torch.float32  # float32 entries, read in place
     SpecDecoder(pair, batch_invariant=None)  # None leaves the model as it is
     assert invariant.installed(target)
     SpecDecoder(pair, batch_invariant=False)
     assert not invariant.installed(target) and "forward" not in vars(rotary)
     assert target.config._attn_implementation == plain_attention.NAME
     assert all(m.table.fixed is None for m in target.modules() if hasattr(m, "table"))
+    assert kv.entry_dtype(target) == torch.bfloat16
 
 
 def test_refusals(capsys):

@@ -44,7 +44,7 @@ class RandomK(Speculation):
     def observe(self, *args) -> None:
         pass
 
-    def idle(self) -> None:
+    def idle(self, stop=None) -> None:
         pass
 
 

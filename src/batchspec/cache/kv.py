@@ -120,10 +120,11 @@ def has_sliding_layers(config) -> bool:
 
 
 def entry_dtype(model) -> torch.dtype:
-    """The dtype of `model`'s KV entries: its own layers' (`model.dtype` where a draft or head tied
-    to a target's embedding in another precision says so, or `compute_dtype` (quant.self_draft);
-    transformers' models report their first floating parameter's)."""
-    own = getattr(model, "compute_dtype", None) or getattr(model, "dtype", None)
+    """The dtype of `model`'s KV entries: `kv_dtype` where set (the batch-invariant mode keeps float32
+    entries), else its own layers' (`model.dtype` where a draft or head tied to a target's embedding
+    in another precision says so, or `compute_dtype` (quant.self_draft); transformers' models report
+    their first floating parameter's)."""
+    own = getattr(model, "kv_dtype", None) or getattr(model, "compute_dtype", None) or getattr(model, "dtype", None)
     return own if isinstance(own, torch.dtype) else next(model.parameters()).dtype
 
 

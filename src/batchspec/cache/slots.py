@@ -35,7 +35,9 @@ class RowParts:
 
 def _write(slab: torch.Tensor, index: torch.Tensor, new: torch.Tensor) -> None:
     """slab.scatter_(2, index, new); 16-bit floats as int16, the same bits: CPU kernels scatter
-    bfloat16 element by element, 4-19x slower than int16 (experiments/copy_ops.py)."""
+    bfloat16 element by element, 4-19x slower than int16 (experiments/copy_ops.py). Entries in
+    another dtype than the slab's are converted (the batch-invariant mode's float32 slabs)."""
+    new = new.to(slab.dtype)
     if slab.is_floating_point() and slab.element_size() == 2:
         slab.view(torch.int16).scatter_(2, index, new.view(torch.int16))
     else:

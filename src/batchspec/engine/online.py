@@ -45,6 +45,9 @@ class ShuttingDown(BatchspecError):
 #: engine"). A lone request waits ARRIVAL_GAP_S.
 ARRIVAL_WINDOW_S = 0.05
 ARRIVAL_GAP_S = 0.015
+#: Seconds without a request before the policy's slow upkeep (probing step costs again, tens of
+#: seconds) may run; a request arriving meanwhile abandons it after the forward under way.
+QUIET_S = 5.0
 
 
 @dataclass
@@ -153,11 +156,14 @@ class OnlineEngine:
     def _main(self) -> None:
         torch.set_grad_enabled(False)
         with torch.inference_mode():
+            last_work = time.monotonic()
             while not self._stopped():
                 self.beat = time.monotonic()
-                if not self.loop.busy and self.ctx.speculation is not None and self._quiet():
-                    self.ctx.speculation.idle()  # the policy's slow upkeep, when no request waits on it
-                    self.beat = time.monotonic()
+                if self.loop.busy or not self._quiet():
+                    last_work = self.beat
+                elif self.ctx.speculation is not None and self.beat - last_work >= QUIET_S:
+                    self.ctx.speculation.idle(stop=self._arrived)  # slow upkeep in a lull
+                    self.beat = last_work = time.monotonic()
                 self._take_inbox(block=not self.loop.busy)
                 try:
                     finished = self.loop.iterate()
@@ -175,6 +181,12 @@ class OnlineEngine:
     def _quiet(self) -> bool:
         """No request has arrived (the loop is idle)."""
         return self.inbox.empty()
+
+    def _arrived(self) -> bool:
+        """A request has arrived or the server is stopping (what abandons the policy's upkeep)."""
+        with self.lock:
+            stopping = self.stopping
+        return stopping or not self.inbox.empty()
 
     def _stopped(self) -> bool:
         """When stopping: cancel everything still queued or running; stop once nothing is left."""

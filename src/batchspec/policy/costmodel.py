@@ -183,12 +183,15 @@ def sync(device) -> None:
 _PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def probe(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768), fresh: bool = False) -> list[Sample]:
+def probe(
+    model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768), fresh: bool = False, stop=None
+) -> list[Sample] | None:
     """Timed forwards at every width 1..q_max: one row over a mid span, `rows` rows over a short
     and a long span; each the fastest of PROBE_ROUNDS rounds over all of them, so that a slow spell
     of the machine does not skew one width against the others. Kept per model and shape for the
     process, and on disk (diskcache.py, "step-probes") for later starts on the same machine;
-    `fresh` measures again and replaces both."""
+    `fresh` measures again and replaces both. `stop` (a callable, checked between forwards) may
+    abandon a measurement: None is returned and nothing kept."""
     key = _probe_id(model, rows, q_max, spans)
     per_model = _PROBES.setdefault(model, {})
     if key in per_model and not fresh:
@@ -200,7 +203,10 @@ def probe(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768), fres
         per_model[key] = ([tuple(s) for s in stored], True)
         diskcache.tally["cached"] += 1
         return per_model[key][0]
-    per_model[key] = (_measure(model, rows, q_max, spans), False)
+    samples = _measure(model, rows, q_max, spans, stop)
+    if samples is None:
+        return None
+    per_model[key] = (samples, False)
     diskcache.tally["measured"] += 1
     diskcache.write("step-probes", disk, per_model[key][0])
     return per_model[key][0]
@@ -232,7 +238,7 @@ def _valid_samples(stored) -> bool:
     )
 
 
-def _measure(model, rows: int, q_max: int, spans: tuple[int, int]) -> list[Sample]:
+def _measure(model, rows: int, q_max: int, spans: tuple[int, int], stop=None) -> list[Sample] | None:
     mid = sum(spans) // 2
     shapes = sorted({(1, mid), (rows, spans[0]), (rows, spans[1])})
     points = [(b, q, s) for q in range(1, q_max + 1) for b, s in shapes]
@@ -240,5 +246,7 @@ def _measure(model, rows: int, q_max: int, spans: tuple[int, int]) -> list[Sampl
     best = {p: float("inf") for p in points}
     for _ in range(PROBE_ROUNDS):
         for p in points:
+            if stop is not None and stop():
+                return None
             best[p] = min(best[p], time_forward(model, *p, warmup=False))
     return [(b, q, s, best[(b, q, s)]) for b, q, s in points]

@@ -91,8 +91,9 @@ class Speculation(Protocol):
     lazy: bool  # may plan plain steps for long: a layout that can warms the proposer's cache on demand
     defer: bool  # keep slow upkeep (probing costs again) for `idle` instead of doing it mid-step
 
-    def idle(self) -> None:
-        """Upkeep for a moment when no row runs (a server between requests)."""
+    def idle(self, stop=None) -> None:
+        """Upkeep for a moment when no row runs (a server in a lull); `stop()` turning True (a
+        request arrived) abandons it, to be done at a later lull."""
         ...
 
     def plan(self, batch) -> int:
@@ -128,7 +129,7 @@ class Fixed(Speculation):
     def __init__(self, k: int):
         self.k_max, self.defer = k, False
 
-    def idle(self) -> None:
+    def idle(self, stop=None) -> None:
         pass
 
     def plan(self, batch) -> int:
@@ -339,19 +340,25 @@ class Adaptive(Speculation):
         if self.stale and not self.defer:
             self.idle()
 
-    def idle(self) -> None:
-        """Probe again the fits `_check_drift` found drifted."""
-        for role in self.stale:
-            started = time.perf_counter()
+    def idle(self, stop=None) -> None:
+        """Probe again the fits `_check_drift` found drifted (what `stop` abandons stays to do)."""
+        while self.stale:
+            role, started = self.stale[0], time.perf_counter()
             if role == "target":
                 load = self.step_cost.load
-                self.step_cost = StepCost(probe(self.target, self.capacity, self._columns(self.k_max), fresh=True))
+                samples = probe(self.target, self.capacity, self._columns(self.k_max), fresh=True, stop=stop)
             else:
                 load = self.prop_cost.load
-                self.prop_cost = StepCost(probe(self.proposer.model, self.capacity, 1, fresh=True))
+                samples = probe(self.proposer.model, self.capacity, 1, fresh=True, stop=stop)
+            if samples is None:
+                return
+            if role == "target":
+                self.step_cost = StepCost(samples)
+            else:
+                self.prop_cost = StepCost(samples)
             _say(f"cached {role} costs were off by {load:.2f}x: measured again ({time.perf_counter() - started:.1f}s)")
             self.reprobed = True
-        self.stale = []
+            self.stale.pop(0)
 
     # --- the model ------------------------------------------------------------------------
     def _estimate(self) -> None:
