@@ -199,9 +199,11 @@ class Plan:
     """Where each query's canonical keys are, for one forward (every layer shares it).
 
     union: every key some query of the row attends, in buffer order: `uidx` [B, NU] (NU a multiple
-    of BLOCK; 0 past the row's count), `uvalid` [B, q, NU]: query i attends union rank r (r below
-    its count when its keys are the union's first ones, else below its count rounded down to a
-    BLOCK: the rest of its keys then come from its tail). `groups`: (query columns, union ranks they
+    of BLOCK; 0 past the row's count); `aligned` when rank r is at slot r in every row, else `runs`:
+    (first slot, count) per row when each row's union is one run of slots (left padding), or None.
+    `uvalid` [B, q, NU]: query i attends union rank r (r below its count when its keys are the
+    union's first ones, else below its count rounded down to a BLOCK: the rest of its keys then come
+    from its tail). `groups`: (query columns, union ranks they
     reach, a multiple of BLOCK) per QUERY_GROUP columns. tail (a tree's branches): `tidx`,
     `tvalid` [B, q, NT]: query i's canonical ranks from that block boundary on, or None."""
 
@@ -213,6 +215,9 @@ class Plan:
         self.uidx = _positions(union, nu)  # [B, NU]
         ranks = torch.arange(nu)
         self.aligned = bool(((self.uidx == ranks) | (ranks >= count_u[:, None])).all())  # rank r at slot r
+        first = self.uidx[:, :1]
+        runs = bool(((self.uidx == first + ranks) | (ranks >= count_u[:, None])).all())  # rank r at slot s_b + r
+        self.runs = list(zip(first[:, 0].tolist(), count_u.tolist())) if runs and not self.aligned else None
         seen = att.gather(2, self.uidx[:, None, :].expand(b, q, nu)) & (ranks < count_u[:, None])[:, None, :]
         count = att.sum(-1)  # [B, q]
         lead = seen.long().cumprod(-1).sum(-1)  # the union's first keys query i attends
@@ -302,6 +307,12 @@ def _union(t: torch.Tensor, plan: Plan) -> torch.Tensor:
     buffer behind the view has them: columns past a row's keys are masked, so whatever they hold
     weighs an exact zero; a view where float32, else one converting copy); otherwise gathered."""
     nu = plan.uidx.shape[1]
+    if plan.runs is not None:  # a padded layout's rows: one converting copy of each row's run
+        out = t.new_empty(*t.shape[:2], nu, t.shape[3], dtype=torch.float32)
+        for b, (first, count) in enumerate(plan.runs):
+            out[b, :, :count] = t[b, :, first : first + count]
+            out[b, :, count:] = 0
+        return out
     if not plan.aligned:
         return _gather(t, plan.uidx)
     if t.shape[2] < nu and _room(t, nu):
