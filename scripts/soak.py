@@ -12,6 +12,8 @@ Checks (each named in the report; the exit status is 1 if any fails):
     request that finds the queue full otherwise: counted, not an error);
   - once idle: 0 running rows, 0 queued requests, 0 KV slots in use (/metrics);
   - the server's RSS stays flat after warm-up (last minute vs the first minute after warm-up).
+    The KV slabs and the prefix cache grow RSS up to their budgets (the report samples both every
+    10 s); pass `-- --prefix-cache-tokens N` with a small N to have the cache full within warm-up.
 
 Usage: python scripts/soak.py [--pair default|tiny] [--duration 240] [--clients 10] [--json OUT]
        (the whole run, checks included, stays under 10 minutes; tests/test_soak.py runs it briefly)
@@ -110,6 +112,7 @@ class Soak:
         self.error_samples: list[str] = []
         self.bursting = threading.Event()
         self.rss: list[tuple[float, float]] = []
+        self.held: list[tuple] = []  # (s, target KV slots allocated, tokens the prefix cache holds)
 
     def count(self, key: str, sample: str | None = None) -> None:
         with self.lock:
@@ -181,9 +184,14 @@ class Soak:
             self.bursting.clear()
 
     def watch(self, deadline: float) -> None:
-        start = time.monotonic()
+        start, tick = time.monotonic(), 0
         while time.monotonic() < deadline:
             self.rss.append((time.monotonic() - start, self.server.rss_mb()))
+            if tick % 10 == 0:  # the KV slabs and the prefix cache grow RSS up to their budgets
+                m = self.server.metrics()
+                kv = (m.get("batchspec_kv_slots_allocated"), m.get("batchspec_prefix_cache_held_tokens"))
+                self.held.append((time.monotonic() - start, *kv))
+            tick += 1
             time.sleep(1.0)
 
     def run(self, duration: float) -> None:
@@ -285,6 +293,8 @@ def main(argv=None) -> int:
         "requests": c,
         "generated_tokens": metrics.get("batchspec_generation_tokens_total"),
         "rss_mb": [round(mb) for _, mb in soak.rss[:: max(1, len(soak.rss) // 20)]],
+        "kv_slots_allocated": [a for _, a, _ in soak.held],
+        "prefix_cache_held_tokens": [h for _, _, h in soak.held],
         "checks": checks,
         "error_samples": soak.error_samples,
         "ok": all(v["ok"] for v in checks.values()),
