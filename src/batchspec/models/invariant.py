@@ -203,9 +203,9 @@ class Plan:
     (first slot, count) per row when each row's union is one run of slots (left padding), or None.
     `uvalid` [B, q, NU]: query i attends union rank r (r below its count when its keys are the
     union's first ones, else below its count rounded down to a BLOCK: the rest of its keys then come
-    from its tail). `groups`: (query columns, union ranks they
-    reach, a multiple of BLOCK) per QUERY_GROUP columns. tail (a tree's branches): `tidx`,
-    `tvalid` [B, q, NT]: query i's canonical ranks from that block boundary on, or None."""
+    from its tail). `groups`: (query columns, union ranks they reach, a multiple of BLOCK) per
+    QUERY_GROUP columns. tail (a tree's branches): `tidx`, `tvalid` [B, q, NT]: query i's canonical
+    ranks from that block boundary on, or None."""
 
     def __init__(self, att: torch.Tensor):
         b, q, keys = att.shape
