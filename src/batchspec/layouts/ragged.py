@@ -193,7 +193,7 @@ class RaggedBatch(Layout):
         of every row that holds none: rows admitted while a lazy policy drafted nothing. One
         padded forward per length bucket, each row's entries copied in once. Returns the tokens fed."""
         role = proposer.role
-        cold = self._cold_rows(role)
+        cold, tokens = self._cold_rows(role), self.cold(role)
         for rows in buckets(cold, lambda b: len(self.seqs[b])):
             part = PaddedBatch(
                 [self.seqs[b] for b in rows], kv.empty_caches({role: proposer.model}), self.pad_id, self.device
@@ -203,7 +203,7 @@ class RaggedBatch(Layout):
                 self.caches[role].release(b)  # placed by no forward yet, but never twice
                 self.caches[role].install(b, entries)
                 self.counts[role][b] = kv.count(entries)
-        return sum(len(self.seqs[b]) - 1 for b in cold)
+        return tokens
 
     def attended_span(self) -> int:
         """Slots a row's attention reads next step, on average (each size class's rows read up to
