@@ -345,14 +345,17 @@ class Adaptive(Speculation):
         while self.stale:
             role, started = self.stale[0], time.perf_counter()
             if role == "target":
-                model, fit, q_max = self.target, "step_cost", self._columns(self.k_max)
+                load = self.step_cost.load
+                samples = probe(self.target, self.capacity, self._columns(self.k_max), fresh=True, stop=stop)
             else:
-                model, fit, q_max = self.proposer.model, "prop_cost", 1
-            load = getattr(self, fit).load
-            samples = probe(model, self.capacity, q_max, fresh=True, stop=stop)
+                load = self.prop_cost.load
+                samples = probe(self.proposer.model, self.capacity, 1, fresh=True, stop=stop)
             if samples is None:
                 return
-            setattr(self, fit, StepCost(samples))
+            if role == "target":
+                self.step_cost = StepCost(samples)
+            else:
+                self.prop_cost = StepCost(samples)
             _say(f"cached {role} costs were off by {load:.2f}x: measured again ({time.perf_counter() - started:.1f}s)")
             self.reprobed = True
             self.stale.pop(0)
