@@ -23,6 +23,7 @@ from batchspec.models.linears import (
     FormTable,
     TunedLinear,
     bucket,
+    onednn_rows,
     prepare,
     project,
     tune_linears,
@@ -165,6 +166,13 @@ def test_decoding_with_each_form_equals_reference(form, method, monkeypatch):
     if form != "onednn":
         monkeypatch.undo()
     assert got == reference_tokens(tiny_pair(dtype=dtype), prompts, 16)
+
+
+def test_onednn_row_counts_are_few_and_waste_little():
+    counts = [onednn_rows(m) for m in range(1, 4097)]
+    assert all(m <= c <= max(m, 1.125 * m) for m, c in zip(range(1, 4097), counts))
+    assert counts[:TUNE_MAX] == list(range(1, TUNE_MAX + 1)) and len(set(counts)) == 88
+    assert all(onednn_rows(c) == c for c in counts)  # a padded count is its own bucket
 
 
 def test_importing_the_package_raises_onednns_primitive_cache_unless_set():

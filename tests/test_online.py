@@ -242,3 +242,37 @@ def test_a_long_prefill_is_progress_not_a_stall(tiny64):
     engine.loop.admission.add(_seq(tiny64, random_prompts(76, 1, 5, 9)[0], SamplingParams(max_new_tokens=2)))
     engine.loop.admission.admit(engine.loop.batch)
     assert time.monotonic() - engine.beat < 60
+
+
+def test_freed_heap_pages_go_back_once_the_loop_idles(tiny64, monkeypatch):
+    """heap.trim runs once the loop has idled IDLE_TRIM_S after work (not again while it stays
+    idle), and every TRIM_EVERY_S whatever the load; glibc's trim is found on this machine."""
+    import platform
+
+    from batchspec.core import heap
+    from batchspec.engine import online
+
+    assert heap.trim() or platform.libc_ver()[0] != "glibc"
+    calls = []
+    monkeypatch.setattr(online.heap, "trim", lambda: calls.append(time.monotonic()))
+    monkeypatch.setattr(online, "IDLE_TRIM_S", 0.3)
+    monkeypatch.setattr(online, "TRIM_EVERY_S", 1000.0)
+    engine = OnlineEngine(_context(tiny64), 2, 256, _byte_decode).start()
+    done = threading.Event()
+    try:
+        time.sleep(0.6)
+        assert calls == []  # nothing served yet: nothing to give back
+        seq = _seq(tiny64, random_prompts(76, 1, 3, 10)[0], SamplingParams(max_new_tokens=8))
+        engine.submit(Request(seq, lambda chunk: chunk.finish_reason and done.set()))
+        assert done.wait(30)
+        finished = time.monotonic()
+        deadline = finished + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.6)
+        assert len(calls) == 1 and calls[0] - finished >= 0.25
+        monkeypatch.setattr(online, "TRIM_EVERY_S", 0.2)
+        time.sleep(0.6)
+        assert len(calls) >= 2
+    finally:
+        engine.shutdown()

@@ -56,8 +56,9 @@ def test_lru_bound_and_extended_entries_are_dropped():
     assert store.held <= 4 * BLOCK and store.match(other + [1]) is not None
     assert store.match(longer + [1]) is None  # the least recently used went
     assert all(key in store.entries for key in store.index.values())
+    assert store.held_bytes == 2 * 2 * 4 * 4 * store.held  # K and V of [1, 2, n, 4] float32 per entry
     store.put(_row(list(range(5 * BLOCK))), _entries(5 * BLOCK), {"target": 5 * BLOCK})  # larger than the bound
-    assert store.held <= 4 * BLOCK
+    assert store.held <= 4 * BLOCK and store.held_bytes == 64 * store.held
 
 
 def test_taken_entries_are_copies():

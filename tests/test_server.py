@@ -364,6 +364,9 @@ def test_client_disconnect_frees_its_row(server):
     assert m.get('batchspec_requests_total{outcome="abort"}', 0) == before + 1, server.output()[-4000:]
     assert m["batchspec_running_rows"] == 0 and m["batchspec_kv_slots_used"] == 0
     assert m["batchspec_kv_slots_allocated"] == 0  # every slab freed once its rows left
+    held = m.get("batchspec_prefix_cache_held_tokens", 0)
+    assert (m["batchspec_kv_bytes"] > 0) == (held > 0)  # what is left is the prefix cache's
+    assert m["batchspec_kv_bytes_peak"] > m["batchspec_kv_bytes"]  # 8000 tokens' slabs were held
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,12 @@ from . import kv
 BLOCK = 16  # tokens per hashed block: the granularity of a hit
 
 
+def _nbytes(stored: dict[str, kv.SeqKV], features: torch.Tensor | None) -> int:
+    """Bytes of an entry's tensors."""
+    tensors = [t for layers in stored.values() for pair in layers for t in pair]
+    return sum(t.nbytes for t in tensors) + (features.nbytes if features is not None else 0)
+
+
 def reusable(shared: int, length: int) -> int:
     """Tokens a prompt of `length` tokens would start from, given that its first `shared` tokens
     are stored: whole blocks, never its last token, and only where they cover at least half of it
@@ -79,6 +85,7 @@ class PrefixCache:
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # key -> entry, least recently used first
         self.index: dict[int, int] = {}  # chain hash of blocks 0..j -> the key of an entry holding them
         self.held = 0  # target entries held
+        self.held_bytes = 0  # all roles' entries and the features, in bytes
         self.next_key = 0
         self.lookups = self.hits = self.prompt_tokens = self.reused_tokens = 0
 
@@ -148,12 +155,14 @@ class PrefixCache:
         for h in self._hashes(tokens, n):
             self.index[h] = key
         self.held += n
+        self.held_bytes += _nbytes(stored, features)
         while self.held > self.max_tokens:
             self._drop(next(iter(self.entries)))
 
     def _drop(self, key: int) -> None:
         entry = self.entries.pop(key)
         self.held -= len(entry.tokens)
+        self.held_bytes -= _nbytes(entry.kv, entry.features)
         for h in self._hashes(entry.tokens, len(entry.tokens)):
             if self.index.get(h) == key:
                 del self.index[h]
@@ -167,4 +176,5 @@ class PrefixCache:
             "reused_tokens": self.reused_tokens,
             "token_hit_rate": self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "held_tokens": self.held,
+            "held_bytes": self.held_bytes,
         }

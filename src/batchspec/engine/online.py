@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core import heap
 from ..core.detok import TextOutput
 from ..core.errors import BatchspecError
 from ..core.sequence import Sequence
@@ -48,6 +49,11 @@ ARRIVAL_GAP_S = 0.015
 #: Seconds without a request before the policy's slow upkeep (probing step costs again, tens of
 #: seconds) may run; a request arriving meanwhile abandons it after the forward under way.
 QUIET_S = 5.0
+#: Freed heap pages go back to the OS (heap.trim) this often while serving, and once the loop has
+#: idled for IDLE_TRIM_S: otherwise RSS keeps the high-water of every mix of KV slab, prefix entry
+#: and activation sizes the server has seen (docs/serving.md, "The soak").
+TRIM_EVERY_S = 30.0
+IDLE_TRIM_S = 1.0
 
 
 @dataclass
@@ -79,6 +85,8 @@ class Counters:
     running: int = 0
     kv_slots_used: int = 0
     kv_slots_allocated: int = 0
+    kv_bytes: int = 0  # KV slabs of every role and the prefix cache's entries, now
+    kv_bytes_peak: int = 0  # the most kv_bytes since start (what the allocator keeps)
 
 
 class OnlineEngine:
@@ -156,12 +164,16 @@ class OnlineEngine:
     def _main(self) -> None:
         torch.set_grad_enabled(False)
         with torch.inference_mode():
-            last_work = time.monotonic()
+            last_work = trimmed = time.monotonic()
             while not self._stopped():
                 self.beat = time.monotonic()
                 if self.loop.busy or not self._quiet():
                     last_work = self.beat
-                elif self.ctx.speculation is not None and self.beat - last_work >= QUIET_S:
+                lull = last_work > trimmed and self.beat - last_work >= IDLE_TRIM_S
+                if self.beat - trimmed >= TRIM_EVERY_S or lull:
+                    heap.trim()  # every TRIM_EVERY_S, and once each time the loop idles
+                    trimmed = self.beat = time.monotonic()
+                if self.beat - last_work >= QUIET_S and self.ctx.speculation is not None:
                     self.ctx.speculation.idle(stop=self._arrived)  # slow upkeep in a lull
                     self.beat = last_work = time.monotonic()
                 self._take_inbox(block=not self.loop.busy)
@@ -282,3 +294,7 @@ class OnlineEngine:
         self.counters.running = len(self.loop.batch)
         self.counters.kv_slots_used = self.loop.batch.tokens_held()
         self.counters.kv_slots_allocated = self.loop.batch.caches["target"].allocated
+        held = self.prefixes.held_bytes if self.prefixes is not None else 0
+        self.counters.kv_bytes = self.loop.batch.allocated_bytes() + held
+        peak = max(self.counters.kv_bytes, self.loop.batch.peak_bytes)  # the slabs peak within a step
+        self.counters.kv_bytes_peak = max(self.counters.kv_bytes_peak, peak)

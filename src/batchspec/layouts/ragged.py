@@ -123,8 +123,11 @@ class RaggedBatch(Layout):
         admitted or fed, and shrink only as rows leave."""
         self.peak_tokens = max(self.peak_tokens, self.caches["target"].allocated)
         self.peak_held = max(self.peak_held, self.tokens_held())
-        now = sum(cache.allocated * cache.bytes_per_token for cache in self.caches.values())
-        self.peak_bytes = max(self.peak_bytes, now)
+        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes())
+
+    def allocated_bytes(self) -> int:
+        """KV bytes the slabs hold now, all roles."""
+        return sum(cache.allocated * cache.bytes_per_token for cache in self.caches.values())
 
     def mark(self, role: str) -> torch.Tensor:
         """What `rewind` returns `role` to: each row's next write slot now."""

@@ -68,6 +68,18 @@ _FUNCTIONS = {"plain": plain, "transposed": transposed}
 LARGE_FORMS = ("plain", "onednn")
 
 
+def onednn_rows(rows: int) -> int:
+    """The rows oneDNN multiplies for `rows` (>= rows): up to TUNE_MAX each count, above it the next
+    of 8 steps per octave (at most 12.5% more). oneDNN keeps a compiled primitive per shape (a few
+    hundred KB each, in an LRU the package raises to 8,192): prefill chunks of every length kept
+    adding to it, and to RSS (a server's grew for minutes); these counts bound a weight's shapes to
+    88 up to 4,096 rows."""
+    if rows <= TUNE_MAX:
+        return rows
+    step = 1 << (rows.bit_length() - 4)  # rows in [2^n, 2^(n+1)): steps of 2^(n-3)
+    return -(-rows // step) * step
+
+
 def bucket(rows: int) -> int:
     """The row count whose measured choice serves `rows`."""
     return GRID[bisect.bisect_left(GRID, rows)] if rows <= TUNE_MAX else LARGE
@@ -128,8 +140,14 @@ class FormTable:
         return self.onednn if name == "onednn" else _FUNCTIONS[name]
 
     def onednn(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, I], weight [O, I] -> [M, O] by oneDNN's matmul over weight's packed copy."""
-        return torch.ops.mkldnn._linear_pointwise(x, self._pack(weight), bias, "none", [], "")
+        """x [M, I], weight [O, I] -> [M, O] by oneDNN's matmul over weight's packed copy, M > TUNE_MAX
+        padded with zero rows to `onednn_rows(M)`."""
+        rows = x.shape[0]
+        padded = onednn_rows(rows)
+        if padded != rows:
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+        out = torch.ops.mkldnn._linear_pointwise(x, self._pack(weight), bias, "none", [], "")
+        return out if padded == rows else out[:rows]
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight's packed copy, remade when the weight was changed in place or given new data."""

@@ -43,6 +43,11 @@ class EngineCollector:
             "Target KV slots allocated (size-class slabs; freed as rows leave)",
             counters.kv_slots_allocated,
         )
+        yield _gauge(
+            "batchspec_kv_bytes", "KV bytes allocated: every model's slabs and the prefix cache", counters.kv_bytes
+        )
+        peak = counters.kv_bytes_peak
+        yield _gauge("batchspec_kv_bytes_peak", "The most KV bytes allocated at once since start", peak)
         yield _gauge("batchspec_kv_slots_total", "Target KV tokens the budget allows across all rows", engine.budget)
         if engine.prefixes is not None:
             prefixes = engine.prefixes.summary()
