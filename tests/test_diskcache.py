@@ -153,6 +153,23 @@ def test_a_drifted_cached_fit_is_probed_again_and_the_cache_updated(cache, monke
     assert stored != stale and max(s[3] for s in stored) < min(s[3] for s in stale)
 
 
+def test_a_probe_on_a_busy_machine_never_replaces_a_faster_record(cache):
+    """A fresh probe: this process takes the new times; the disk keeps each point's faster one, so
+    a probe slowed by other work on the machine does not slow every later start."""
+    pair = tiny_pair()
+    key = probe_record(pair)
+    measured = costmodel.probe(pair.target, 2, 3)
+    fast = [[b, q, s, t / 100] for b, q, s, t in measured]  # a record faster than anything now
+    diskcache.write("step-probes", key, fast)
+    again = costmodel.probe(pair.target, 2, 3, fresh=True)
+    assert [s[3] for s in again] != [s[3] for s in fast]  # the process uses what it measured
+    assert diskcache.read("step-probes", key) == fast
+    slow = [[b, q, s, t * 100] for b, q, s, t in measured]
+    diskcache.write("step-probes", key, slow)
+    again = costmodel.probe(pair.target, 2, 3, fresh=True)
+    assert diskcache.read("step-probes", key) == [list(s) for s in again]
+
+
 def test_a_server_probes_a_drifted_fit_when_idle_not_mid_step(cache, monkeypatch):
     """`defer` (the online engine sets it): the drift is noted during steps, and the probe, which
     takes seconds, waits for `idle`, when no request would wait on it."""

@@ -190,8 +190,10 @@ def probe(
     and a long span; each the fastest of PROBE_ROUNDS rounds over all of them, so that a slow spell
     of the machine does not skew one width against the others. Kept per model and shape for the
     process, and on disk (diskcache.py, "step-probes") for later starts on the same machine;
-    `fresh` measures again and replaces both. `stop` (a callable, checked between forwards) may
-    abandon a measurement: None is returned and nothing kept."""
+    `fresh` measures again: this process takes the new times, the disk keeps each point's faster
+    of the stored and the new (other work on the machine only ever adds time, so a probe taken
+    while it was busy never replaces a faster record). `stop` (a callable, checked between
+    forwards) may abandon a measurement: None is returned and nothing kept."""
     key = _probe_id(model, rows, q_max, spans)
     per_model = _PROBES.setdefault(model, {})
     if key in per_model and not fresh:
@@ -208,8 +210,17 @@ def probe(
         return None
     per_model[key] = (samples, False)
     diskcache.tally["measured"] += 1
-    diskcache.write("step-probes", disk, per_model[key][0])
+    record = _fastest(samples, tp.agree(diskcache.read("step-probes", disk)) if fresh else None)
+    diskcache.write("step-probes", disk, record)
     return per_model[key][0]
+
+
+def _fastest(samples: list[Sample], stored) -> list[Sample]:
+    """`samples` with each point's time the lower of its own and `stored`'s (a record of the same
+    points, else ignored)."""
+    if not _valid_samples(stored) or [tuple(s[:3]) for s in stored] != [tuple(s[:3]) for s in samples]:
+        return samples
+    return [(*s[:3], min(s[3], old[3])) for s, old in zip(samples, stored)]
 
 
 def from_disk(model, rows: int, q_max: int, spans: tuple[int, int] = (64, 768)) -> bool:
