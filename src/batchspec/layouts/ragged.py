@@ -189,14 +189,18 @@ class RaggedBatch(Layout):
         return sorted(rows, key=lambda b: len(self.seqs[b]))
 
     def cold(self, role: str) -> int:
-        return sum(len(self.seqs[b]) - 1 for b in self._cold_rows(role))  # what `warm` would feed
+        return self._to_feed(self._cold_rows(role))  # what `warm` would feed
+
+    def _to_feed(self, rows: list[int]) -> int:
+        """Tokens `warm` feeds rows `rows`: each one's committed tokens but the last."""
+        return sum(len(self.seqs[b]) - 1 for b in rows)
 
     def warm(self, proposer) -> int:
         """Feed `proposer`'s cache the committed tokens (all but the last, as a prefill leaves it)
         of every row that holds none: rows admitted while a lazy policy drafted nothing. One
         padded forward per length bucket, each row's entries copied in once. Returns the tokens fed."""
         role = proposer.role
-        cold, tokens = self._cold_rows(role), self.cold(role)
+        cold = self._cold_rows(role)
         for rows in buckets(cold, lambda b: len(self.seqs[b])):
             part = PaddedBatch(
                 [self.seqs[b] for b in rows], kv.empty_caches({role: proposer.model}), self.pad_id, self.device
@@ -206,7 +210,7 @@ class RaggedBatch(Layout):
                 self.caches[role].release(b)  # placed by no forward yet, but never twice
                 self.caches[role].install(b, entries)
                 self.counts[role][b] = kv.count(entries)
-        return tokens
+        return self._to_feed(cold)
 
     def attended_span(self) -> int:
         """Slots a row's attention reads next step, on average (each size class's rows read up to
