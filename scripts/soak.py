@@ -19,7 +19,7 @@ Checks (each named in the report; the exit status is 1 if any fails):
     slots, the prefix cache's tokens and the KV bytes every 10 s.
 
 Usage: python scripts/soak.py [--pair default|tiny] [--duration 240] [--clients 10] [--json OUT]
-       (the whole run, checks included, stays under 10 minutes; tests/test_soak.py runs it briefly)
+       (the whole run, checks included, stays under 10 minutes; tests/test_soak_script.py runs it briefly)
 """
 
 from __future__ import annotations
