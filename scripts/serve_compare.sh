@@ -93,7 +93,7 @@ profile() {  # server port workload C dir
     --use-legacy-max-tokens --use-server-token-count --extra-inputs temperature:0 \
     --prompt-output-tokens-mean "$max_tokens" --prompt-output-tokens-stddev 0 \
     --concurrency "$4" --request-count "$(( requests > $4 ? requests : $4 ))" --warmup-request-count 1 \
-    "${data[@]}" --output-artifact-dir "$5" --no-server-metrics --no-gpu-telemetry --no-auto-plot \
+    "${data[@]}" --output-artifact-dir "$5" --no-server-metrics --no-gpu-telemetry --no-auto-plot --export-level records \
     >"$5.log" 2>&1 || { echo "aiperf failed: $5.log" >&2; tail -5 "$5.log" >&2; }
 }
 

@@ -1,13 +1,20 @@
 """Admission's chunk (admission.py): the prefill cost fit recovers a + b n, the chunk is the prefill
 that costs `share` decode steps (never below the size where the fixed part dominates), and it
-grows with the rows left idle for want of admission."""
+grows with the rows left idle for want of admission; a wave of prompts gets its first tokens
+forward by forward."""
 
 from __future__ import annotations
 
+from helpers import random_prompts, reference_tokens
 from hypothesis import given
 from hypothesis import strategies as st
 
+from batchspec import SamplingParams, SpecDecoder
+from batchspec.engine import admission
 from batchspec.engine.admission import MIN_CHUNK, Admission, PrefillCost
+from batchspec.engine.loop import Loop
+from batchspec.engine.step import Context
+from batchspec.layouts.ragged import RaggedBatch
 
 
 @given(
@@ -71,3 +78,25 @@ def test_the_chunk_is_at_least_min_chunk(steps, running):
 def test_a_fixed_chunk_is_kept_and_the_first_is_the_default():
     assert Admission(ctx=None, fixed_chunk=77).chunk(4, 4) == 77
     assert Admission(ctx=None).chunk(4, 0) == Admission(ctx=None).first_chunk
+
+
+def test_a_wave_of_prompts_gets_its_first_tokens_group_by_group(tiny64, monkeypatch):
+    """Nothing running, six prompts waiting: one iteration prefills them all, in forwards of about
+    GROUP_TOKENS tokens, each handing out its first tokens before the next one runs; the output is
+    the target's own."""
+    monkeypatch.setattr(admission, "GROUP_TOKENS", 100)
+    dec = SpecDecoder(tiny64, method="ragged", k=3)
+    ctx = Context(target=tiny64.target, proposer=dec.proposer, k=3, pad_id=tiny64.pad_id, device=tiny64.device)
+    handed_out = []  # the rows of each call of the output processor with their first token only
+    ctx.observe = lambda seqs: handed_out.append(sorted(s.index for s in seqs if len(s.generated) == 1))
+    loop = Loop(ctx, RaggedBatch(ctx.models(), 8, 1024, ctx.k, ctx.pad_id, ctx.device))
+    prompts = random_prompts(5, 6, 40, 41)
+    seqs = [dec.make_sequences([p], SamplingParams(max_new_tokens=12))[0] for p in prompts]
+    for i, seq in enumerate(seqs):
+        seq.index = i
+        loop.add(seq)
+    loop.admission.admit(loop.batch)
+    assert len(loop.batch) == 6 and not loop.waiting
+    assert handed_out == [[0, 1, 2], [3, 4, 5]]  # 40 + 40 + 40 >= 100 tokens: a forward of three
+    loop.run()
+    assert [s.generated for s in seqs] == reference_tokens(tiny64, prompts, 12)
