@@ -354,11 +354,15 @@ def test_client_disconnect_frees_its_row(server):
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
+        # the gauges follow each loop iteration; the first chunk may go out before its iteration ends
+        deadline = time.monotonic() + 10
+        while server.metrics()["batchspec_running_rows"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert server.metrics()["batchspec_running_rows"] >= 1
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         m = server.metrics()
-        if m['batchspec_requests_total{outcome="abort"}'] > before and m["batchspec_running_rows"] == 0:
+        if m.get('batchspec_requests_total{outcome="abort"}', 0) > before and m["batchspec_running_rows"] == 0:
             break
         time.sleep(0.05)
     assert m.get('batchspec_requests_total{outcome="abort"}', 0) == before + 1, server.output()[-4000:]
@@ -562,3 +566,16 @@ def test_a_sliding_window_model_serves_concurrent_clients_as_the_reference():
     assert [ids for ids, _, _ in got] == [w.token_ids for w in want]
     for (_, lps, _), w in zip(got, want):
         assert len(lps) == len(w.logprobs) and all(abs(a - b.logprob) < 1e-9 for a, b in zip(lps, w.logprobs))
+
+
+def test_a_port_in_use_exits_1_naming_it(server):
+    """HTTP runs beside the engine loop: when it cannot bind, the loop stops too and the process
+    exits with status 1 instead of serving nothing."""
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "batchspec.cli", "serve", "--pair", "tiny", "--dtype", "float64"]
+    done = subprocess.run(
+        [*cmd, "--host", "127.0.0.1", "--port", str(server.port)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1
+    assert "address already in use" in done.stderr
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200  # the first one serves on
