@@ -276,33 +276,3 @@ def test_freed_heap_pages_go_back_once_the_loop_idles(tiny64, monkeypatch):
         assert len(calls) >= 2
     finally:
         engine.shutdown()
-
-
-def test_the_loop_runs_on_the_calling_thread_until_its_companion_ends(tiny64):
-    """`run` (what `batchspec serve` does on its main thread, HTTP beside it): requests are served
-    from another thread, health is good meanwhile, and the loop ends with its companion."""
-    engine = OnlineEngine(_context(tiny64), 4, 256, _byte_decode)
-    prompt = random_prompts(74, 1, 4, 12)[0]
-    chunks, seen = [], {}
-
-    def companion():
-        finished = threading.Event()
-        engine.submit(Request(_seq(tiny64, prompt, SamplingParams(max_new_tokens=25)), _collect(chunks, finished)))
-        seen["finished"] = finished.wait(60)
-        seen["fault"] = engine.fault(60)
-
-    engine.run(beside=threading.Thread(target=companion))
-    assert seen == {"finished": True, "fault": None}
-    assert [t for c in chunks for t in c.token_ids] == reference_tokens(tiny64, [prompt], 25)[0]
-    assert engine.done.is_set() and "not running" in engine.fault(60)
-    engine.start()  # a no-op: the loop has run on the calling thread
-    assert not engine.thread.is_alive()
-
-
-def _collect(chunks: list, finished: threading.Event):
-    def emit(chunk: Chunk):
-        chunks.append(chunk)
-        if chunk.finish_reason is not None:
-            finished.set()
-
-    return emit

@@ -13,7 +13,6 @@ at the next iteration's broadcast, never between two ranks' steps.
 from __future__ import annotations
 
 import queue
-import threading
 from dataclasses import dataclass
 
 from ..core.config import SamplingParams
@@ -58,7 +57,6 @@ class LockstepEngine(OnlineEngine):
 
     def follow(self) -> None:
         """A follower rank: run the loop in this thread until rank 0 stops."""
-        self.runner = threading.current_thread()
         self._main()
 
     def _stopped(self) -> bool:

@@ -1,13 +1,6 @@
 """The online engine: one thread owns the models and runs the engine loop (loop.py); requests
 enter a thread-safe inbox at any time and get their output through a callback.
 
-Which thread: `run` takes the calling one (`batchspec serve` runs the loop on its main thread, the
-one that loaded the models, and HTTP beside it), `start` a thread of its own. On CPUs this matters:
-OpenMP (libgomp) keeps a team of worker threads for each thread that ever ran a parallel region,
-and once its teams hold more threads than the machine has cores, its idle workers stop spinning
-and sleep between regions. A loop on a second thread (beside the main thread's idle team) ran the
-same 16 requests 12-15% slower than on the main thread (docs/serving.md, "One OpenMP team").
-
 Each iteration takes new requests from the inbox, then `Loop.iterate` (drop cancelled rows, admit
 waiting requests into free rows of a ragged batch, one decode step). The output processor
 (`Context.observe`, here `_observe`) runs in the engine thread right after each commit: it
@@ -127,9 +120,6 @@ class OnlineEngine:
         self.counters = Counters()
         self.beat = time.monotonic()  # when the engine thread last began an iteration
         self.thread = threading.Thread(target=self._main, name="batchspec-engine", daemon=True)
-        self.runner: threading.Thread | None = None  # the thread that runs the loop (`start` or `run`)
-        self.beside: threading.Thread | None = None  # `run`'s companion: when it ends, the loop stops
-        self.done = threading.Event()  # the loop has ended
 
     def _new_batch(self) -> RaggedBatch:
         return RaggedBatch(
@@ -137,19 +127,8 @@ class OnlineEngine:
         )
 
     def start(self) -> OnlineEngine:
-        """Run the loop on a thread of its own (a no-op if `run` holds it already)."""
-        if self.runner is None:
-            self.runner = self.thread
-            self.thread.start()
+        self.thread.start()
         return self
-
-    def run(self, beside: threading.Thread | None = None) -> None:
-        """Run the loop on the calling thread until `shutdown`, or until `beside` (started here,
-        first: the HTTP server) ends."""
-        self.runner, self.beside = threading.current_thread(), beside
-        if beside is not None:
-            beside.start()
-        self._main()
 
     def submit(self, request: Request) -> None:
         """Queue a request (any thread). Raises QueueFull or ShuttingDown at once."""
@@ -169,7 +148,7 @@ class OnlineEngine:
         """Why the engine cannot serve (health checks), or None: its thread is dead, or has neither
         begun an iteration nor finished a prefill forward for `stall_s` seconds (an idle engine
         still iterates every 50 ms)."""
-        if self.runner is None or not self.runner.is_alive() or self.done.is_set():
+        if not self.thread.is_alive():
             return "the engine thread is not running"
         late = time.monotonic() - self.beat
         return f"the engine loop has not iterated for {late:.0f} s" if late > stall_s else None
@@ -178,19 +157,11 @@ class OnlineEngine:
         """Stop admitting, cancel queued and running requests, and join the engine thread."""
         with self.lock:
             self.stopping = True
-        if self.runner is self.thread:
+        if self.thread.is_alive():
             self.thread.join(timeout)
-        elif self.runner is not None and self.runner is not threading.current_thread():
-            self.done.wait(timeout)
 
     # --- the engine thread --------------------------------------------------------------------
     def _main(self) -> None:
-        try:
-            self._loop()
-        finally:
-            self.done.set()
-
-    def _loop(self) -> None:
         torch.set_grad_enabled(False)
         with torch.inference_mode():
             last_work = trimmed = time.monotonic()
@@ -232,8 +203,6 @@ class OnlineEngine:
     def _stopped(self) -> bool:
         """When stopping: cancel everything still queued or running; stop once nothing is left."""
         with self.lock:
-            if self.beside is not None and not self.beside.is_alive():
-                self.stopping = True  # what served requests is gone
             stopping = self.stopping
         if stopping:
             self._take_inbox(block=False)

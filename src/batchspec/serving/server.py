@@ -357,8 +357,7 @@ def _sse(body: dict) -> str:
 
 
 def run_cli(config: ServeConfig) -> int:
-    """Load the pair, build the engine, serve until SIGTERM/SIGINT; exit status 0 (1: HTTP could not
-    start)."""
+    """Load the pair, build the engine, serve until SIGTERM/SIGINT; exit status 0."""
     import uvicorn
 
     service = build_service(config)
@@ -379,26 +378,16 @@ def run_cli(config: ServeConfig) -> int:
         flush=True,
     )
     started = time.monotonic()
-    server = uvicorn.Server(
-        uvicorn.Config(  # h11 (not httptools, if installed): its 16 KiB bound on request headers
-            app,
-            host=config.host,
-            port=config.port,
-            http="h11",
-            log_level="warning",
-            timeout_graceful_shutdown=config.graceful_timeout,
-        )
+    uvicorn.run(  # h11 (not httptools, if installed): its 16 KiB bound on request headers
+        app,
+        host=config.host,
+        port=config.port,
+        http="h11",
+        log_level="warning",
+        timeout_graceful_shutdown=config.graceful_timeout,
     )
-    # The engine loop runs on this thread, which loaded the models, and HTTP beside it (online.py:
-    # one OpenMP team, 12-15% faster on CPUs). Signals reach this thread: the first SIGTERM/SIGINT
-    # stops uvicorn gracefully (a second SIGINT forces it), and its shutdown stops the loop.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, server.handle_exit)
-    web = threading.Thread(target=server.run, name="batchspec-http")
-    service.engine.run(beside=web)
-    web.join()
     print(f"batchspec: stopped after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-    return 0 if server.started else 1  # not started: the port could not be bound (uvicorn said why)
+    return 0
 
 
 def build_service(config: ServeConfig) -> Service:
