@@ -24,7 +24,7 @@ net loss of (I - R) x m row-steps whenever I > R.
 Prompts prefilled together go in forwards of about GROUP_TOKENS tokens each, and each forward hands
 out its rows' first tokens before the next begins: once a forward holds that many rows, more rows
 make it no cheaper per token, only later for every prompt in it (a wave of 8 prompts of 286 tokens
-waited 8 s for its first tokens, all at once, where groups of two give them at 0.75, 1.5, ... s).
+waited 8 s for its first tokens, all at once, where smaller forwards hand them out one by one).
 
 A policy that often drafts nothing (`-k auto`) leaves the proposer's cache empty here: the batch
 feeds it a row's tokens when a step first drafts for that row (`RaggedBatch.warm`).
@@ -53,10 +53,12 @@ MIN_CHUNK = 16  # a measured chunk never drops below this (tiny chunks waste a f
 #: throughput of the 2,048-token chunk at 4 and 16 clients, with the running rows' worst step at
 #: 0.96 s instead of 3.1 s while the long prompt arrives.
 SHARE = 4.0
-#: Tokens a prefill forward of whole prompts fills before it runs: the per-token cost is flat above
-#: it. Measured (SmolLM2-135M, float32, 2 cores): 1.41 ms a token for one prompt of 286 tokens,
-#: 1.27-1.34 for 2, 3, 4, 6 and 8 of them in one forward (572 to 2,288 tokens).
-GROUP_TOKENS = 512
+#: Tokens a prefill forward of whole prompts fills before it runs. Above it the forward's fixed part
+#: is under a tenth of it, and more prompts in one forward only make each wait for the others.
+#: Measured (SmolLM2-135M, float32, 2 cores): ~30 ms fixed, 1.41 ms a token for one prompt of 286
+#: tokens, 1.27-1.34 for 2 to 8 of them in one forward; against 512, TTFT p50 at 2 and 8 clients
+#: of 286-token prompts fell from 1.15 / 2.75 s to 1.07 / 2.33 s (docs/serving.md, "Admission").
+GROUP_TOKENS = 256
 #: Weight of one timed prefill in the cost fit's sums (a memory of about 1 / PREFILL_RATE).
 PREFILL_RATE = 0.1
 #: The fit separates a from b only once the sizes timed spread by this much (their standard
