@@ -17,9 +17,10 @@ are idle for want of admission: share = SHARE x (running + idle rows with a prom
 running, so one running row does not hold fifteen waiting ones at a trickle, while a full batch
 pays at most SHARE steps per iteration for a late arrival. While no row is running there is
 nothing to stall, and every waiting prompt that fits is prefilled at once; so too while the idle
-rows outnumber the running ones. Chunking moves no prefill work, it only chooses who waits: m
-chunks buy the R running rows m more steps and delay the I idle rows' first steps by m steps, a
-net loss of (I - R) x m row-steps whenever I > R.
+rows are at least as many as the running ones. Chunking moves no prefill work, it only chooses who
+waits: m chunks buy the R running rows m more steps and delay the I idle rows' first steps by m
+steps, a net loss of (I - R) x m row-steps whenever I > R, and no gain at I = R, where the waiting
+prompt's first token comes sooner at once (2 synthetic clients: TTFT p50 1.07 -> 0.88 s).
 
 Prompts prefilled together go in forwards of about GROUP_TOKENS tokens each, and each forward hands
 out its rows' first tokens before the next begins: once a forward holds that many rows, more rows
@@ -129,7 +130,7 @@ class Admission:
         rows have a prompt waiting for them (None: every waiting prompt that fits)."""
         if self.fixed_chunk is not None:
             return self.fixed_chunk
-        if idle > running:
+        if idle >= running:
             return None
         if self.step_s is None or self.cost.b is None:
             return self.first_chunk
