@@ -86,14 +86,13 @@ def test_a_wave_of_prompts_gets_its_first_tokens_group_by_group(tiny64, monkeypa
     the target's own."""
     monkeypatch.setattr(admission, "GROUP_TOKENS", 100)
     dec = SpecDecoder(tiny64, method="ragged", k=3)
-    ctx = Context(target=tiny64.target, proposer=dec.proposer, k=3, pad_id=tiny64.pad_id, device=tiny64.device)
+    ctx = Context.of(tiny64, dec.proposer, 3, None)
     handed_out = []  # the rows of each call of the output processor with their first token only
     ctx.observe = lambda seqs: handed_out.append(sorted(s.index for s in seqs if len(s.generated) == 1))
     loop = Loop(ctx, RaggedBatch(ctx.models(), 8, 1024, ctx.k, ctx.pad_id, ctx.device))
     prompts = random_prompts(5, 6, 40, 41)
-    seqs = [dec.make_sequences([p], SamplingParams(max_new_tokens=12))[0] for p in prompts]
-    for i, seq in enumerate(seqs):
-        seq.index = i
+    seqs = dec.make_sequences(prompts, SamplingParams(max_new_tokens=12))  # indices 0..5
+    for seq in seqs:
         loop.add(seq)
     loop.admission.admit(loop.batch)
     assert len(loop.batch) == 6 and not loop.waiting

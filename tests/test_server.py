@@ -31,28 +31,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _serve(port: int, *options: str) -> tuple[list[str], dict]:
+    """The command line and environment of `batchspec serve` for the tiny pair on `port`."""
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "batchspec.cli", "serve", "--pair", "tiny", "--dtype", "float64"]
+    return [*cmd, "--host", "127.0.0.1", "--port", str(port), *options], env
+
+
 class Server:
     def __init__(self, *options: str, ready: str | None = None, ready_s: float = 60):
         """Start `batchspec serve` with `options`; up once /health answers (and, if `ready` is
         given, once the log holds it)."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        cmd = [
-            sys.executable,
-            "-m",
-            "batchspec.cli",
-            "serve",
-            "--pair",
-            "tiny",
-            "--dtype",
-            "float64",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *options,
-        ]
+        cmd, env = _serve(self.port, *options)
         # The server's output goes to a file: a pipe nobody reads would block it once full.
         self.log = tempfile.NamedTemporaryFile("w+", prefix="batchspec-serve-", suffix=".log")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
@@ -571,11 +563,8 @@ def test_a_sliding_window_model_serves_concurrent_clients_as_the_reference():
 def test_a_port_in_use_fails_naming_it(server):
     """A second server on a port in use stops at once with a non-zero status (uvicorn's 3) and
     says why, instead of serving nothing; the first one serves on."""
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "batchspec.cli", "serve", "--pair", "tiny", "--dtype", "float64"]
-    done = subprocess.run(
-        [*cmd, "--host", "127.0.0.1", "--port", str(server.port)], env=env, capture_output=True, text=True, timeout=120
-    )
+    cmd, env = _serve(server.port)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "address already in use" in done.stderr
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200  # the first one serves on

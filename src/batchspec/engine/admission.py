@@ -169,15 +169,17 @@ class Admission:
                 spent, finished = spent + used, finished + done
                 continue
             group = [self.waiting.popleft()]
+            size = len(group[0])  # the group's prompt tokens
             while self.waiting and batch.fits(self.waiting[0], extra=group):
-                if sum(map(len, group)) >= GROUP_TOKENS:
+                if size >= GROUP_TOKENS:
                     break  # a full forward: its first tokens go out before the next group's prefill
-                if room is not None and sum(map(len, group)) + len(self.waiting[0]) > room:
+                if room is not None and size + len(self.waiting[0]) > room:
                     break
                 if self.prefixes is not None and would_reuse(self.waiting[0], group):
                     break  # it starts from this group's entries, once they are stored (n > 1, a system prompt)
                 group.append(self.waiting.popleft())
-            spent += sum(map(len, group))
+                size += len(group[-1])
+            spent += size
             finished += self._prefill_group(batch, group)
         return finished
 
