@@ -72,6 +72,14 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         help="the draft model's linear layers weight-only quantized (default: int8 for --draft self on a "
         "CPU, else none); the output does not depend on it",
     )
+    g.add_argument(
+        "--draft-vocab",
+        type=_draft_vocab,
+        metavar="N|full",
+        help="the draft model's LM head scores at most N tokens: those it is fed, learned as it runs (with a "
+        "large vocabulary the head is most of a small draft's step; default: 32768 for --draft self, else "
+        "full); the output does not depend on it",
+    )
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument(
         "--tp",
@@ -453,7 +461,15 @@ def engine_config(args, method: str, batch_size: int, progress: bool) -> EngineC
 def pair_spec(args) -> PairSpec:
     """Where the pair comes from (the model options)."""
     return PairSpec(
-        args.pair, args.target, args.draft, args.dtype, args.device, args.tp, args.draft_dtype, args.draft_quant
+        args.pair,
+        args.target,
+        args.draft,
+        args.dtype,
+        args.device,
+        args.tp,
+        args.draft_dtype,
+        args.draft_quant,
+        args.draft_vocab,
     )
 
 
@@ -588,6 +604,16 @@ def branches_value(text: str) -> int | tuple[int, ...]:
 def branch_values(text: str) -> list:
     """--branches for comparisons: '1', '1,3' or '1,4x2x1'."""
     return parse_list(str(text), branches_value, "--branches")
+
+
+def _draft_vocab(text: str) -> int | str:
+    """--draft-vocab's value: "full" or an integer (load_pair checks its range)."""
+    if text == "full":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or full, got {text!r}") from None
 
 
 def parse_list(text: str, kind, flag: str) -> list:

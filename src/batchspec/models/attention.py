@@ -17,6 +17,9 @@ spans in the ragged layout. Same math as transformers' SDPA attention, less memo
   (`windowed`), the rule of transformers' own sliding caches. batchspec's caches keep every entry
   of such layers, so realignment and the ragged slots work as for full attention.
 
+- **One query seeing every key** (a single row decoding: the ragged layout's view ends at the row's
+  own last slot) runs SDPA without a mask, its faster kernel, instead of an all-True mask.
+
 Registered as the attention implementation "batchspec" (`install`). Calls without a mask (the
 reference decoder's plain forwards) go to transformers' SDPA function unchanged. One query token
 is packed too: in bfloat16, SDPA over SmolLM2's 9 query heads against their repeated keys took
@@ -50,15 +53,22 @@ def _one(module, query, key, value, mask, scaling, dropout) -> torch.Tensor:
     """query [B, H, q, D], key/value [B, H_kv, L, D], mask [B, 1 or H, q, L] -> [B, q, H, D]."""
     b, heads, q, dim = query.shape
     groups = heads // key.shape[1]
-    if groups > 1 and mask.shape[1] != 1:  # per-head masks: transformers' repeated heads
+    if q == 1 and _sees_all(mask):  # one query per row seeing every key (B = 1 decoding): SDPA's unmasked kernel
+        mask = None
+    if groups > 1 and mask is not None and mask.shape[1] != 1:  # per-head masks: transformers' repeated heads
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)[0]
     if groups > 1:
         query = query.reshape(b, key.shape[1], groups * q, dim)  # head h reads kv head h // groups
-        mask = mask.repeat(1, 1, groups, 1)
+        mask = None if mask is None else mask.repeat(1, 1, groups, 1)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
     )
     return out.reshape(b, heads, q, dim).transpose(1, 2)
+
+
+def _sees_all(mask: torch.Tensor) -> bool:
+    """Whether `mask` (bool, True attends; or additive, 0 attends) lets every query see every key."""
+    return bool(mask.all()) if mask.dtype == torch.bool else not bool(mask.any())
 
 
 def windowed(mask: torch.Tensor, window: int) -> torch.Tensor:

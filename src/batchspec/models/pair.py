@@ -20,7 +20,7 @@ from ..cache import kv
 from ..core import diskcache
 from ..core.errors import BatchspecError
 from ..distributed import tp
-from . import attention, quant, sharding, support
+from . import attention, quant, sharding, support, vocab
 from .linears import tune_linears
 from .tiny import byte_tokenizer, tiny_config, tiny_head, tiny_models, tiny_sliding_config
 
@@ -43,7 +43,7 @@ class ModelPair:
     eos_ids: frozenset[int]
     context_len: int
     pad_id: int
-    draft_vocab_ids: torch.Tensor | None = None  # reduced draft head -> full ids
+    draft_vocab_ids: torch.Tensor | vocab.GrowingHead | None = None  # reduced draft head -> full ids
     default_proposer: str = "draft"
     head: torch.nn.Module | None = None  # an EAGLE-style draft head (eagle.py), or None
     startup: dict = field(default_factory=dict)  # {"load_s", "weights"}: how the load went
@@ -115,6 +115,7 @@ class PairSpec:
     tp_size: int = 1
     draft_dtype: str | None = None
     draft_quant: str | None = None
+    draft_vocab: int | str | None = None
 
     def load(self) -> ModelPair:
         return load_pair(**vars(self))
@@ -129,6 +130,7 @@ def load_pair(
     tp_size: int = 1,
     draft_dtype: str | None = None,
     draft_quant: str | None = None,
+    draft_vocab: int | str | None = None,
 ) -> ModelPair:
     """Load a built-in pair by name, or a target (and optional draft) from a directory, a .gguf
     file or a hub id. Without a draft the pair uses the n-gram proposer. `tp_size` > 1: this
@@ -137,16 +139,20 @@ def load_pair(
     draft model, also beside a built-in pair. `draft_dtype`: the draft model's and the head's
     precision (default: `dtype`; a self-draft's: bfloat16 where the CPU computes it natively or on
     a GPU). `draft_quant` (none, int8, int4): the draft model's linear layers weight-only
-    quantized. A drafter's numerics change how many drafts are accepted, never the output."""
+    quantized. `draft_vocab` N: the draft model's LM head scores at most N tokens, learned as it
+    runs (vocab.py); "full": all of them; default: vocab.SELF_ROWS for a self-draft, else all. A
+    drafter's numerics change how many drafts are accepted, never the output."""
     started, before = time.perf_counter(), diskcache.tally.copy()
-    result = _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype, draft_quant)
+    result = _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype, draft_quant, draft_vocab)
     new = diskcache.tally - before
     how = "converted the GGUF" if new["gguf converted"] else "cached GGUF conversion" if new["gguf reused"] else "read"
     result.startup = {"load_s": round(time.perf_counter() - started, 3), "weights": how}
     return result
 
 
-def _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype=None, draft_quant=None) -> ModelPair:
+def _load_pair(
+    pair, target, draft, dtype, device, tp_size, draft_dtype=None, draft_quant=None, draft_vocab=None
+) -> ModelPair:
     if dtype not in DTYPES:
         raise BatchspecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if draft_dtype is not None and draft_dtype not in DTYPES:
@@ -155,6 +161,12 @@ def _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype=None, dr
         quant.check(draft_quant, "cpu")  # a known kind; the device is checked where the draft is made
     if draft_quant not in (None, "none") and draft is None and target is not None:
         raise BatchspecError(f"--draft-quant {draft_quant} needs a draft model (--draft PATH or --draft self)")
+    vocab.check(draft_vocab)
+    if draft_vocab not in (None, vocab.FULL) and draft is None:
+        raise BatchspecError(
+            "--draft-vocab needs a draft model (--draft PATH or --draft self); the built-in pairs' drafts "
+            "score a reduced vocabulary already"
+        )
     if draft == SELF and tp_size > 1:
         raise BatchspecError("--draft self with --tp is not supported: the draft would copy one rank's shard")
     torch_dtype = DTYPES[dtype]
@@ -189,11 +201,13 @@ def _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype=None, dr
     if result.draft_vocab_ids is not None:
         result.draft_vocab_ids = result.draft_vocab_ids.to(device)
     if draft == SELF:
-        _use_self_draft(result, device, draft_dtype, draft_quant)
+        _use_self_draft(result, device, draft_dtype, draft_quant, draft_vocab)
     elif draft_dtype is not None and draft_dtype != dtype:
         for model in (result.draft, result.head):
             if model is not None:
                 cast_own(model, DTYPES[draft_dtype], result.target)
+    if draft != SELF and draft_vocab not in (None, vocab.FULL):
+        _reduce_draft_head(result, draft_vocab, DTYPES[draft_dtype or dtype], draft_quant not in (None, "none"))
     if draft != SELF and draft_quant not in (None, "none"):
         quant.quantize(result.draft, draft_quant)
     # On a CPU: the faster BLAS formulation per row count. Not a sharded target: its linear layers
@@ -204,10 +218,25 @@ def _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype=None, dr
     return result
 
 
-def _use_self_draft(pair: ModelPair, device: str, draft_dtype: str | None, draft_quant: str | None) -> None:
+def _reduce_draft_head(pair: ModelPair, rows: int, dtype: torch.dtype, quantized: bool) -> None:
+    """A user's draft model scores at most `rows` tokens, learned as it runs (vocab.GrowingHead);
+    before quantization, which leaves the new head as it is."""
+    if pair.draft.config.vocab_size != pair.target.config.vocab_size:
+        raise BatchspecError(
+            f"tokenizer mismatch: the target's vocabulary has {pair.target.config.vocab_size} entries, "
+            f"the draft's {pair.draft.config.vocab_size}"
+        )
+    pair.draft_vocab_ids = vocab.reduce_head(pair.draft, rows, dtype, quantized)
+
+
+def _use_self_draft(
+    pair: ModelPair, device: str, draft_dtype: str | None, draft_quant: str | None, draft_vocab: int | str | None
+) -> None:
     """Make the target's quantized copy `pair`'s draft model (quant.self_draft): int8 on a CPU,
     unquantized on other devices (PyTorch's weight-only kernels are CPU ones); computing in
-    bfloat16 where that is native (oneDNN's check, or a GPU), else float32."""
+    bfloat16 where that is native (oneDNN's check, or a GPU), else float32. Its head is a
+    GrowingHead of `draft_vocab` rows (default vocab.SELF_ROWS) made from the target's head, where
+    the vocabulary is larger."""
     on_cpu = torch.device(device).type == "cpu"
     kind = draft_quant or ("int8" if on_cpu else "none")
     if draft_dtype is None:
@@ -216,6 +245,10 @@ def _use_self_draft(pair: ModelPair, device: str, draft_dtype: str | None, draft
     pair.draft = quant.self_draft(pair.target, kind, DTYPES[draft_dtype])
     pair.draft.batchspec_source = f"{getattr(pair.target, 'batchspec_source', pair.name)}:self-{kind}-{draft_dtype}"
     pair.draft_vocab_ids = None
+    rows = vocab.SELF_ROWS if draft_vocab is None else draft_vocab
+    if rows != vocab.FULL and rows < pair.vocab_size:
+        source = pair.target.get_output_embeddings().weight
+        pair.draft_vocab_ids = vocab.reduce_head(pair.draft, rows, DTYPES[draft_dtype], kind != "none", source)
     pair.default_proposer = "draft"
     pair.name = f"{pair.name} + self ({kind})"
 

@@ -1,6 +1,7 @@
 """`DraftProposer`: a small causal LM with its own KV cache (role "draft" of the batch layout),
-optionally with a reduced-vocabulary head (`vocab_ids` maps head index -> full-vocabulary id), and
-drafting a tree (core/tree.py) when `branches` has more than one node at some depth."""
+optionally with a reduced-vocabulary head (`vocab_ids` maps head index -> full-vocabulary id; a
+`GrowingHead` learns its ids from every token the draft is fed), and drafting a tree (core/tree.py)
+when `branches` has more than one node at some depth."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ..core.sampling import RowParams, choose, greedy, probabilities
 from ..core.tree import Tree, depth_widths, is_tree, limit_view
 from ..layouts.base import Layout
 from ..models.forward import forward
+from ..models.vocab import GrowingHead
 from .base import Proposal, Proposer, StopRule
 
 
@@ -24,13 +26,23 @@ class DraftProposer(Proposer):
     rewinds = False  # forget the drafting forwards' cache entries after each proposal (a head's)
 
     def __init__(
-        self, model, vocab_size: int, vocab_ids: torch.Tensor | None = None, branches: int | tuple[int, ...] = 1
+        self,
+        model,
+        vocab_size: int,
+        vocab_ids: torch.Tensor | GrowingHead | None = None,
+        branches: int | tuple[int, ...] = 1,
     ):
         self.model = model
         self.branches = branches  # nodes per depth (C, or C_1, C_2, ..): more than 1 drafts a tree (tree.py)
         self.vocab_size = vocab_size  # the target's vocabulary (size of noise's last dim)
-        self.vocab_ids = vocab_ids  # [V_head] head index -> full id, or None for a full head
+        self.growing = vocab_ids if isinstance(vocab_ids, GrowingHead) else None
+        self._ids = None if self.growing is not None else vocab_ids
         self._index = None  # full id -> head index (-1: none), built when a tree first needs it
+
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        """[V_head] head index -> full id (a growing head's ids so far), or None for a full head."""
+        return self.growing.ids if self.growing is not None else self._ids
 
     def propose(
         self, batch: Layout, k: int, params: RowParams, noise: torch.Tensor | None, stop: StopRule | None = None
@@ -129,7 +141,7 @@ class DraftProposer(Proposer):
         """Full ids [B] -> the model's own vocabulary index (-1 where it has none)."""
         if self.vocab_ids is None:
             return ids
-        if self._index is None:
+        if self._index is None or self.growing is not None:  # a growing head's ids change between calls
             self._index = torch.full((self.vocab_size,), -1, dtype=torch.long, device=ids.device)
             self._index[self.vocab_ids.to(ids.device)] = torch.arange(len(self.vocab_ids), device=ids.device)
         return self._index[ids]
@@ -155,6 +167,8 @@ class DraftProposer(Proposer):
         its token: nothing for a draft model). `view` (a tree's nodes): it rewrites the inputs'
         mask and positions, and every column's logits come back [B, q, V_head]."""
         inputs = batch.inputs(self.role, ids.shape[1])
+        if self.growing is not None:
+            self.growing.learn(ids)
         if view is None:
             return forward(self.model, ids, inputs, last_only=True), None
         return forward(self.model, ids, view(inputs)), None
