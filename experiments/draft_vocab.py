@@ -6,6 +6,10 @@ short ones, half each.
     python experiments/draft_vocab.py --target G.gguf --vocabs full,32768,16384 --batch-sizes 1,4 \
         --k 3,auto --repeats 2 --json out.json
     python experiments/draft_vocab.py --pair default --vocabs full,16384,8192
+    python experiments/draft_vocab.py --target G.gguf --vocabs 32768 --kv-copy off,on
+
+`--kv-copy off,on`: each ragged decoder also with its draft's cache fed the prompt (off) instead of
+starting from the target's entries (on, the default for a self-draft).
 
 Each row: tokens/s (whole run, prefill included), decode tokens/s, tokens per step, the head's
 rows at the end, and the ratio to `ar` per repeat.
@@ -48,6 +52,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--kv-copy", default="on")
     ap.add_argument("--json")
     args = ap.parse_args()
     texts, params = prompts(args.prompts), SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -56,25 +61,28 @@ def main() -> None:
     ks = [k if k == "auto" else int(k) for k in args.k.split(",")]
     results = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        decs = {("ar", None, None): SpecDecoder(pairs[vocabs[0]], method="ar", batch_size=b)}
+        decs = {("ar", None, None, None): SpecDecoder(pairs[vocabs[0]], method="ar", batch_size=b)}
         for v in vocabs:
             for k in ks:
-                decs[("ragged", v, k)] = SpecDecoder(pairs[v], method="ragged", proposer="draft", k=k, batch_size=b)
+                for copy in args.kv_copy.split(","):
+                    dec = SpecDecoder(pairs[v], method="ragged", proposer="draft", k=k, batch_size=b)
+                    dec.proposer.kv_from_target = copy == "on"
+                    decs[("ragged", v, k, copy)] = dec
         for dec in decs.values():  # warm: the policy's measurements, the heads' first tokens
             dec.generate(texts[:2], SamplingParams(max_new_tokens=8))
         rows = {key: [] for key in decs}
         for rep in range(args.repeats):
             for key, dec in decs.items():
                 rows[key].append(run(dec, texts, params))
-                ar = rows[("ar", None, None)][rep]["tokens_per_s"]
+                ar = rows[("ar", None, None, None)][rep]["tokens_per_s"]
                 got = rows[key][-1]
                 print(
                     f"B={b} rep {rep} {key}: {got['tokens_per_s']} tok/s ({got['tokens_per_s'] / ar:.2f}x ar), "
                     f"decode {got['decode_tokens_per_s']}, {got['mean_tokens_per_step']} per step",
                     flush=True,
                 )
-        for (method, v, k), runs in rows.items():
-            ratios = [r["tokens_per_s"] / a["tokens_per_s"] for r, a in zip(runs, rows[("ar", None, None)])]
+        for (method, v, k, copy), runs in rows.items():
+            ratios = [r["tokens_per_s"] / a["tokens_per_s"] for r, a in zip(runs, rows[("ar", None, None, None)])]
             head = pairs[v].draft.get_output_embeddings() if v is not None else None
             results.append(
                 {
@@ -82,6 +90,7 @@ def main() -> None:
                     "method": method,
                     "draft_vocab": v,
                     "k": k,
+                    "kv_copy": copy,
                     "runs": runs,
                     "vs_ar": [round(x, 3) for x in ratios],
                     "vs_ar_median": round(statistics.median(ratios), 3),
@@ -90,7 +99,8 @@ def main() -> None:
             )
     for r in results:
         print(
-            f"B={r['batch_size']} {r['method']:6s} vocab={r['draft_vocab']} k={r['k']}: {r['vs_ar_median']}x ar "
+            f"B={r['batch_size']} {r['method']:6s} vocab={r['draft_vocab']} k={r['k']} copy={r['kv_copy']}: "
+            f"{r['vs_ar_median']}x ar "
             f"{r['vs_ar']}, head rows {r['head_rows']}"
         )
     if args.json:

@@ -126,3 +126,20 @@ def test_cli_self_draft(tmp_path):
     assert main([*args, "--max-new-tokens", "6", "--quiet", "--json", str(out), "hello"]) == 0
     report = json.loads(out.read_text())
     assert "self (int4)" in report["models"]["pair"] and report["models"]["draft"]["bytes"] > 0
+
+
+@pytest.mark.parametrize("proposer, k", [("draft", 3), ("ngram+draft", 2)])
+def test_the_ragged_layout_starts_the_self_drafts_cache_from_the_targets(self_pairs, tiny64, proposer, k):
+    """The target's own copy is never fed a prompt: its cache takes the target's entries of the
+    committed tokens (the invariant checker accepts, position by position, the draft's entry or the
+    target's), and its drafts are still accepted."""
+    prompts = random_prompts(11, 4, 30, 40)
+    dec = SpecDecoder(self_pairs["int8"], method="ragged", proposer=proposer, k=k, batch_size=4, check_invariants=True)
+    assert dec.proposer.kv_from_target
+    drafter = dec.proposer.inner if proposer == "ngram+draft" else dec.proposer
+    fed, feed = [], drafter._feed
+    drafter._feed = lambda batch, ids, *rest: fed.append(ids.shape[1]) or feed(batch, ids, *rest)
+    got = [o.token_ids for o in dec.generate(prompts, SamplingParams(max_new_tokens=16))]
+    assert got == reference_tokens(tiny64, prompts, 16)
+    assert fed and max(fed) < 30  # no forward took a prompt (each at least 30 tokens)
+    assert dec.stats.summary()["mean_accepted"] > k / 2

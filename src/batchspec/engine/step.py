@@ -85,9 +85,10 @@ class Context:
 
     def admitted_roles(self) -> list[str]:
         """Roles fed a prompt at admission into a layout that can `warm` a cache later (ragged):
-        all of `models()`, less the proposer's when the policy is `lazy` (often drafts nothing)."""
-        lazy = self.speculation.lazy
-        return [role for role in self.models() if role == "target" or not lazy]
+        all of `models()`, less the proposer's when the policy is `lazy` (often drafts nothing) or
+        when its cache starts from the target's entries (`kv_from_target`: warm copies them)."""
+        later = self.speculation.lazy or (self.proposer is not None and self.proposer.kv_from_target)
+        return [role for role in self.models() if role == "target" or not later]
 
 
 def start(ctx: Context, seqs: list[Sequence], batch_cls: type | None = None) -> Layout:

@@ -198,9 +198,13 @@ class RaggedBatch(Layout):
     def warm(self, proposer) -> int:
         """Feed `proposer`'s cache the committed tokens (all but the last, as a prefill leaves it)
         of every row that holds none: rows admitted while a lazy policy drafted nothing. One
-        padded forward per length bucket, each row's entries copied in once. Returns the tokens fed."""
+        padded forward per length bucket, each row's entries copied in once; or, for the target's
+        own copy (`kv_from_target`), the target's entries of those tokens copied, without a
+        forward. Returns the tokens fed."""
         role = proposer.role
         cold = self._cold_rows(role)
+        if proposer.kv_from_target:
+            return self._adopt(proposer, cold)
         for rows in buckets(cold, lambda b: len(self.seqs[b])):
             part = PaddedBatch(
                 [self.seqs[b] for b in rows], kv.empty_caches({role: proposer.model}), self.pad_id, self.device
@@ -211,6 +215,19 @@ class RaggedBatch(Layout):
                 self.caches[role].install(b, entries)
                 self.counts[role][b] = kv.count(entries)
         return self._to_feed(cold)
+
+    def _adopt(self, proposer, rows: list[int]) -> int:
+        """Rows `rows` of `proposer`'s cache take the target's entries (in the proposer's dtype): the
+        same tokens, the same positions; its later entries are its own."""
+        role, target = proposer.role, self.caches["target"]
+        for b in rows:
+            count = int(self.counts["target"][b])  # every committed token but the last
+            self.caches[role].release(b)
+            self.caches[role].install(b, target.row(b, count))
+            self.counts[role][b] = count
+        if rows:
+            proposer.seen(torch.tensor([t for b in rows for t in self.seqs[b].token_ids[:-1]], device=self.device))
+        return self._to_feed(rows)
 
     def attended_span(self) -> int:
         """Slots a row's attention reads next step, on average (each size class's rows read up to

@@ -45,6 +45,7 @@ class ModelPair:
     pad_id: int
     draft_vocab_ids: torch.Tensor | vocab.GrowingHead | None = None  # reduced draft head -> full ids
     default_proposer: str = "draft"
+    draft_copies_target: bool = False  # the draft is the target's own copy (--draft self): the same KV layout
     head: torch.nn.Module | None = None  # an EAGLE-style draft head (eagle.py), or None
     startup: dict = field(default_factory=dict)  # {"load_s", "weights"}: how the load went
 
@@ -250,6 +251,7 @@ def _use_self_draft(
         source = pair.target.get_output_embeddings().weight
         pair.draft_vocab_ids = vocab.reduce_head(pair.draft, rows, DTYPES[draft_dtype], kind != "none", source)
     pair.default_proposer = "draft"
+    pair.draft_copies_target = True
     pair.name = f"{pair.name} + self ({kind})"
 
 

@@ -50,6 +50,9 @@ class Proposer(Protocol):
     bins: int = 1  # confidence bins of `Proposal.signal` (what adaptive speculation learns acceptance by)
     branches: int | tuple[int, ...] = 1  # nodes per depth of the draft tree it proposes (1: a chain)
     features: Features | None = None  # the target's features it reads, filled by every target forward
+    # Its model is the target's own copy (same layers and heads: --draft self): its cache may start
+    # from the target's entries instead of a prefill of its own (the ragged layout's `warm`).
+    kv_from_target: bool = False
 
     def propose(
         self, batch: Layout, k: int, params: RowParams, noise: torch.Tensor | None, stop: StopRule | None = None
@@ -62,3 +65,7 @@ class Proposer(Protocol):
         """Prefill: feed ids [B, q] to this proposer's cache; logits of the last column [B, 1, V].
         Called only for a proposer with a `role`."""
         raise NotImplementedError(f"{type(self).__name__} keeps no cache")
+
+    def seen(self, ids: torch.Tensor) -> None:
+        """Tokens its cache took without a forward of its own (copied from the target's): a head
+        that learns its vocabulary learns them (models/vocab.py)."""

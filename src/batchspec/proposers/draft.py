@@ -158,6 +158,10 @@ class DraftProposer(Proposer):
         sampled = probs.log() + self._head_noise(noise)[:, None, :].to(probs.device)
         return torch.where(greedy, logp, sampled), torch.where(greedy, logp.exp(), probs)
 
+    def seen(self, ids: torch.Tensor) -> None:
+        if self.growing is not None:
+            self.growing.learn(ids)
+
     def feed(self, batch: Layout, ids: torch.Tensor) -> torch.Tensor:
         """Feed ids [B, q] to the draft's cache in `batch`; logits of the last column [B, 1, V_head]."""
         return self._feed(batch, ids)[0]

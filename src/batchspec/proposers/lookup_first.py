@@ -35,9 +35,13 @@ class LookupFirst(Proposer):
         self.branches = model_proposer.branches
         self.bins = model_proposer.bins + lookup.bins
         self.features = model_proposer.features
+        self.kv_from_target = model_proposer.kv_from_target
 
     def feed(self, batch: Layout, ids: torch.Tensor) -> torch.Tensor:
         return self.inner.feed(batch, ids)
+
+    def seen(self, ids: torch.Tensor) -> None:
+        self.inner.seen(ids)
 
     def propose(
         self, batch: Layout, k: int, params: RowParams, noise: torch.Tensor | None, stop: StopRule | None = None

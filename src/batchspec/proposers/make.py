@@ -44,6 +44,7 @@ def _model_proposer(pair: ModelPair, config: EngineConfig, name: str) -> Propose
             f"{pair.draft.config.vocab_size}"
         )
     proposer = DraftProposer(pair.draft, pair.vocab_size, pair.draft_vocab_ids, config.branches)
+    proposer.kv_from_target = pair.draft_copies_target
     if tree.is_tree(config.branches):
         if methods.get(config.method).broken:
             raise BatchspecError(f"method {config.method!r} verifies chains only; use --branches 1")
