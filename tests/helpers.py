@@ -46,6 +46,15 @@ def run_script(name: str, *args: str, timeout: int = 120) -> subprocess.Complete
 _REFERENCE: dict[int, tuple] = {}  # id(pair) -> (pair, {key: tokens}); holding the pair keeps its id unique
 
 
+def assert_drafted_exactly(pair, oracle, seed: int, method: str, branches, new_tokens: int = 12, **config) -> None:
+    """Four random prompts decoded by `method` on `pair` (trees only where the ragged layout verifies
+    them) equal `oracle`'s reference tokens."""
+    prompts = random_prompts(seed, 4, 1, 40)
+    dec = SpecDecoder(pair, method=method, branches=branches if method == "ragged" else 1, **config)
+    got = [o.token_ids for o in dec.generate(prompts, SamplingParams(max_new_tokens=new_tokens))]
+    assert got == reference_tokens(oracle, prompts, new_tokens)
+
+
 def reference_tokens(pair, prompts, max_new_tokens: int) -> list[list[int]]:
     """Greedy reference outputs, memoised per (pair, eos, prompt, max_new_tokens)."""
     dec = SpecDecoder(pair, method="reference")

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers import random_prompts, reference_tokens
+from helpers import assert_drafted_exactly, random_prompts
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -74,14 +74,9 @@ def test_an_int8_head_approximates_its_rows(rows):
 def test_a_reduced_head_leaves_the_output_exact(
     reduced_pairs, tiny64, seed, pair, method, proposer, k, batch_size, branches
 ):
-    if method != "ragged":
-        branches = 1  # trees are verified by the ragged layout
-    prompts = random_prompts(seed, 4, 1, 40)
-    dec = SpecDecoder(
-        reduced_pairs[pair], method=method, proposer=proposer, k=k, batch_size=batch_size, branches=branches
+    assert_drafted_exactly(
+        reduced_pairs[pair], tiny64, seed, method, branches, proposer=proposer, k=k, batch_size=batch_size
     )
-    got = [o.token_ids for o in dec.generate(prompts, SamplingParams(max_new_tokens=12))]
-    assert got == reference_tokens(tiny64, prompts, 12)  # the same float64 target, alone
 
 
 def test_sampled_rows_with_a_reduced_head_equal_the_target_alone(reduced_pairs, tiny64):

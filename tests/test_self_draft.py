@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import random_prompts, reference_tokens
+from helpers import assert_drafted_exactly, random_prompts, reference_tokens
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -73,14 +73,9 @@ def test_a_quantized_layer_approximates_its_weight_in_both_paths(kind):
 def test_the_self_draft_leaves_the_output_exact(
     self_pairs, tiny64, seed, quant, method, proposer, k, batch_size, branches
 ):
-    if method != "ragged":
-        branches = 1  # trees are verified by the ragged layout
-    prompts = random_prompts(seed, 4, 1, 40)
-    dec = SpecDecoder(
-        self_pairs[quant], method=method, proposer=proposer, k=k, batch_size=batch_size, branches=branches
+    assert_drafted_exactly(
+        self_pairs[quant], tiny64, seed, method, branches, proposer=proposer, k=k, batch_size=batch_size
     )
-    got = [o.token_ids for o in dec.generate(prompts, SamplingParams(max_new_tokens=12))]
-    assert got == reference_tokens(tiny64, prompts, 12)  # the same float64 target, alone
 
 
 def test_the_self_draft_accepts_most_drafts(self_pairs):
