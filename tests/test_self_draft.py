@@ -123,13 +123,17 @@ def test_cli_self_draft(tmp_path):
     assert "self (int4)" in report["models"]["pair"] and report["models"]["draft"]["bytes"] > 0
 
 
-@pytest.mark.parametrize("proposer, k", [("draft", 3), ("ngram+draft", 2)])
-def test_the_ragged_layout_starts_the_self_drafts_cache_from_the_targets(self_pairs, tiny64, proposer, k):
+@pytest.mark.parametrize(
+    "method, proposer, k",
+    [("ragged", "draft", 3), ("ragged", "ngram+draft", 2), ("eqspec", "draft", 3), ("exspec", "draft", 2)],
+)
+def test_the_self_drafts_cache_starts_from_the_targets(self_pairs, tiny64, method, proposer, k):
     """The target's own copy is never fed a prompt: its cache takes the target's entries of the
-    committed tokens (the invariant checker accepts, position by position, the draft's entry or the
-    target's), and its drafts are still accepted."""
+    committed tokens (the ragged layout's warm, the padded layouts' prefill; the invariant checker
+    accepts, position by position, the draft's entry or the target's), and its drafts are still
+    accepted."""
     prompts = random_prompts(11, 4, 30, 40)
-    dec = SpecDecoder(self_pairs["int8"], method="ragged", proposer=proposer, k=k, batch_size=4, check_invariants=True)
+    dec = SpecDecoder(self_pairs["int8"], method=method, proposer=proposer, k=k, batch_size=4, check_invariants=True)
     assert dec.proposer.kv_from_target
     drafter = dec.proposer.inner if proposer == "ngram+draft" else dec.proposer
     fed, feed = [], drafter._feed

@@ -87,6 +87,13 @@ def empty(config) -> BufferCache:
     return BufferCache(config)
 
 
+def copy_into(dst: BufferCache, src: BufferCache, dtype: torch.dtype) -> None:
+    """`dst` (a model of `src`'s layers and heads) holds a copy of `src`'s columns, in `dtype`."""
+    for to, layer in zip(dst.layers, src.layers, strict=True):
+        if layer.is_initialized:
+            to.hold(layer.keys.to(dtype, copy=True), layer.values.to(dtype, copy=True), layer.width)
+
+
 def empty_caches(models: dict) -> dict[str, BufferCache]:
     """An empty cache for each role's model: {role: model} -> {role: cache}."""
     return {role: empty(model.config) for role, model in models.items()}

@@ -107,7 +107,11 @@ def prefill(ctx: Context, batch: Layout, roles: list[str] | None = None) -> list
     each row its first token. Returns the rows that finished (EOS first, or max_new_tokens == 1)."""
     with ctx.stats.stage("prefill"):
         target_logits = None
-        for role in ctx.models() if roles is None else roles:
+        for role in ctx.models() if roles is None else roles:  # the target first
+            if role != "target" and ctx.proposer.kv_from_target:  # its cache: a copy of the target's
+                ctx.proposer.seen(batch.pending(role))
+                batch.adopt(role, kv.entry_dtype(ctx.proposer.model))
+                continue
             logits = feed(ctx, batch, role, batch.pending(role))  # [B, 1, V]
             if role == "target":
                 target_logits = logits

@@ -72,6 +72,11 @@ class Layout(Protocol):
         """Tokens `warm` would feed role's cache now (0 by default)."""
         return 0
 
+    def adopt(self, role: str, dtype: torch.dtype) -> None:
+        """At prefill, `role`'s cache takes a copy of the target's entries (in `dtype`) instead of a
+        forward: a draft that is the target's own copy (`Proposer.kv_from_target`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot copy the target's entries")
+
     def attended_span(self) -> int:
         """The slots a row's attention reads in the next forward, on average, near enough: by default
         the longest row's length (a padded batch attends that far for every row)."""

@@ -54,6 +54,11 @@ class PaddedBatch(Layout):
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def adopt(self, role: str, dtype: torch.dtype) -> None:
+        """`role`'s cache becomes a copy of the target's, in `dtype` (a draft that is the target's own
+        copy: the same columns, the same positions)."""
+        kv.copy_into(self.caches[role], self.caches["target"], dtype)
+
     def cache_width(self, role: str) -> int:
         return kv.width(self.caches[role])
 
