@@ -105,7 +105,7 @@ class SpecDecoder:
         if cfg.check_invariants:
             from .engine.invariants import check_batch
 
-            adopted = (ctx.proposer.role,) if ctx.proposer is not None and ctx.proposer.kv_from_target else ()
+            adopted = (ctx.proposer.role,) if ctx.copies_target else ()
             ctx.check = partial(check_batch, models=ctx.models(), adopted=adopted)
         runner = methods.get(cfg.method).run()
         with torch.inference_mode(), self.stats.run():

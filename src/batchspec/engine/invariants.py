@@ -43,21 +43,20 @@ def check_batch(batch, models: dict, adopted: tuple[str, ...] = ()) -> None:
         if (role == "target" and lags != {1}) or min(lags) < 1:
             raise InvariantError(f"{role}: cache lags {sorted(lags)} behind the tokens")
         for b, (seq, n) in enumerate(zip(batch.seqs, counts)):
-            also = models["target"] if role in adopted else None
-            _check_row(model, role, b, seq.token_ids[:n], batch.row_cache(role, b), models["target"], also)
+            _check_row(model, role, b, seq.token_ids[:n], batch.row_cache(role, b), models["target"], role in adopted)
 
 
 @torch.inference_mode()
-def _check_row(model, role: str, row: int, tokens: list[int], cached: kv.SeqKV, target, also=None) -> None:
+def _check_row(model, role: str, row: int, tokens: list[int], cached: kv.SeqKV, target, adopted: bool = False) -> None:
     """Row `row`'s cached entries against a fresh prefill of its tokens by `model` (or, position by
-    position, by `also`, whose entries it may hold instead)."""
+    position, by `target`, whose entries an `adopted` row may hold instead)."""
     if not tokens:
         return
-    fresh = [_fresh(model, tokens, target)] + ([] if also is None else [_fresh(also, tokens, target)])
+    fresh = [_fresh(model, tokens, target)] + ([_fresh(target, tokens, target)] if adopted else [])
     tol = TOLERANCE.get(kv.entry_dtype(model), 1e-3)
     if isinstance(model, EagleHead):  # features come out of the target's final RMSNorm, computed in float32
         tol = max(tol, FEATURE_TOLERANCE)
-    if also is not None:
+    if adopted:
         tol = max(tol, ADOPTED_TOLERANCE)
     if len(cached) != len(fresh[0]):
         raise InvariantError(f"{role} row {row}: {len(cached)} cached layers, the model has {len(fresh[0])}")

@@ -83,11 +83,16 @@ class Context:
             out[self.proposer.role] = self.proposer.model
         return out
 
+    @property
+    def copies_target(self) -> bool:
+        """The proposer's cache starts from the target's entries (`Proposer.kv_from_target`)."""
+        return self.proposer is not None and self.proposer.kv_from_target
+
     def admitted_roles(self) -> list[str]:
         """Roles fed a prompt at admission into a layout that can `warm` a cache later (ragged):
         all of `models()`, less the proposer's when the policy is `lazy` (often drafts nothing) or
         when its cache starts from the target's entries (`kv_from_target`: warm copies them)."""
-        later = self.speculation.lazy or (self.proposer is not None and self.proposer.kv_from_target)
+        later = self.speculation.lazy or self.copies_target
         return [role for role in self.models() if role == "target" or not later]
 
 
@@ -108,7 +113,7 @@ def prefill(ctx: Context, batch: Layout, roles: list[str] | None = None) -> list
     with ctx.stats.stage("prefill"):
         target_logits = None
         for role in ctx.models() if roles is None else roles:  # the target first
-            if role != "target" and ctx.proposer.kv_from_target:  # its cache: a copy of the target's
+            if role != "target" and ctx.copies_target:  # its cache: a copy of the target's
                 ctx.proposer.seen(batch.pending(role))
                 batch.adopt(role, kv.entry_dtype(ctx.proposer.model))
                 continue

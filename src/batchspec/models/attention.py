@@ -53,7 +53,7 @@ def _one(module, query, key, value, mask, scaling, dropout) -> torch.Tensor:
     """query [B, H, q, D], key/value [B, H_kv, L, D], mask [B, 1 or H, q, L] -> [B, q, H, D]."""
     b, heads, q, dim = query.shape
     groups = heads // key.shape[1]
-    if q == 1 and _sees_all(mask):  # one query per row seeing every key (B = 1 decoding): SDPA's unmasked kernel
+    if b == 1 and q == 1 and _sees_all(mask):  # one row's query seeing every key: SDPA's unmasked kernel
         mask = None
     if groups > 1 and mask is not None and mask.shape[1] != 1:  # per-head masks: transformers' repeated heads
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)[0]

@@ -222,11 +222,7 @@ def _load_pair(
 def _reduce_draft_head(pair: ModelPair, rows: int, dtype: torch.dtype, quantized: bool) -> None:
     """A user's draft model scores at most `rows` tokens, learned as it runs (vocab.GrowingHead);
     before quantization, which leaves the new head as it is."""
-    if pair.draft.config.vocab_size != pair.target.config.vocab_size:
-        raise BatchspecError(
-            f"tokenizer mismatch: the target's vocabulary has {pair.target.config.vocab_size} entries, "
-            f"the draft's {pair.draft.config.vocab_size}"
-        )
+    check_vocab(pair.target, None, pair.draft, None)
     pair.draft_vocab_ids = vocab.reduce_head(pair.draft, rows, dtype, quantized)
 
 

@@ -54,6 +54,14 @@ def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tenso
     return packed, pairs.transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
+def int8_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """rows [M, I] bf16 (contiguous) x int8 weight packed [O, I] with scales [O] -> [M, O] bf16: the
+    kernel for up to DENSE_ROWS rows, the dequantized weight's product above."""
+    if rows.shape[0] > DENSE_ROWS:
+        return torch.nn.functional.linear(rows, packed.to(torch.bfloat16) * scales[:, None])
+    return torch.ops.aten._weight_int8pack_mm(rows, packed, scales)
+
+
 class QuantLinear(torch.nn.Module):
     """A linear layer [.., I] -> [.., O] over a weight-only quantized copy of `weight` [O, I]; it
     computes in bfloat16 and returns its input's dtype. The quantized weight and its scales are
@@ -70,10 +78,10 @@ class QuantLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # the kernels need it
-        if rows.shape[0] > DENSE_ROWS:
+        if self.kind == "int8":
+            out = int8_product(rows, self.packed, self.scales)
+        elif rows.shape[0] > DENSE_ROWS:
             out = torch.nn.functional.linear(rows, self.dense())
-        elif self.kind == "int8":
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.packed, self.scales)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales)
         if self.bias is not None:

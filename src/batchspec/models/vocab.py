@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..core.errors import BatchspecError
-from .quant import DENSE_ROWS, quantize_int8
+from .quant import int8_product, quantize_int8
 
 #: A self-draft's head rows by default (`--draft-vocab`): measured on Gemma 3 270M and SmolLM2-135M
 #: (docs/benchmarks.md, "A reduced draft vocabulary"), where fewer than 10,000 rows are ever filled.
@@ -85,16 +85,10 @@ class GrowingHead(torch.nn.Module):
         """hidden [.., H] -> logits [.., n] in hidden's dtype."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         weight = self.weight[: self.n]
-        if not self.quantized:
-            out = torch.nn.functional.linear(rows.to(self.dtype), weight)
-        elif rows.shape[0] > DENSE_ROWS:  # many rows: dequantize once (quant.QuantLinear's rule)
-            out = torch.nn.functional.linear(
-                rows.to(torch.bfloat16), weight.to(torch.bfloat16) * self.scales[: self.n, None]
-            )
+        if self.quantized:
+            out = int8_product(rows.to(torch.bfloat16).contiguous(), weight, self.scales[: self.n])
         else:
-            out = torch.ops.aten._weight_int8pack_mm(
-                rows.to(torch.bfloat16).contiguous(), weight, self.scales[: self.n]
-            )
+            out = torch.nn.functional.linear(rows.to(self.dtype), weight)
         return out.reshape(*hidden.shape[:-1], self.n).to(hidden.dtype)
 
     def extra_repr(self) -> str:

@@ -171,8 +171,7 @@ class DraftProposer(Proposer):
         its token: nothing for a draft model). `view` (a tree's nodes): it rewrites the inputs'
         mask and positions, and every column's logits come back [B, q, V_head]."""
         inputs = batch.inputs(self.role, ids.shape[1])
-        if self.growing is not None:
-            self.growing.learn(ids)
+        self.seen(ids)
         if view is None:
             return forward(self.model, ids, inputs, last_only=True), None
         return forward(self.model, ids, view(inputs)), None
