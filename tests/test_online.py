@@ -276,3 +276,44 @@ def test_freed_heap_pages_go_back_once_the_loop_idles(tiny64, monkeypatch):
         assert len(calls) >= 2
     finally:
         engine.shutdown()
+
+
+def test_spin_holds_a_ballast_team_only_while_the_batch_is_small():
+    """`--spin auto` parks a thread holding a second OpenMP team while fewer than SPIN_ROWS rows run
+    (libgomp then throttles its workers' spinning) and lets it go from SPIN_ROWS rows; on never
+    holds one, off always does; each ballast's thread ends when released."""
+    from batchspec.engine.threads import SPIN_ROWS, Spin
+
+    spin, ballasts = Spin("auto"), []
+    for rows in (0, 1, SPIN_ROWS - 1, SPIN_ROWS, 16, SPIN_ROWS, 2, 0):
+        spin.follow(rows)
+        assert spin.spinning == (rows >= SPIN_ROWS)
+        if spin.ballast is not None and spin.ballast not in ballasts:
+            ballasts.append(spin.ballast)
+        assert all(b.thread.is_alive() == (b is spin.ballast) for b in ballasts)
+    assert spin.switches == 3 and len(ballasts) == 2
+    spin.close()
+    assert not any(b.thread.is_alive() for b in ballasts)
+    for mode, spinning in (("on", True), ("off", False)):
+        fixed = Spin(mode)
+        for rows in (0, 1, 16, 0):
+            fixed.follow(rows)
+            assert fixed.spinning == spinning
+        fixed.close()
+    with pytest.raises(ValueError, match="spin mode"):
+        Spin("sometimes")
+
+
+def test_the_engine_thread_runs_calls_in_order_and_hands_back_errors():
+    from batchspec.engine.threads import EngineThread
+
+    worker, seen = EngineThread(), []
+    assert worker.call(lambda: seen.append(threading.get_ident()) or 7) == 7
+    with pytest.raises(ZeroDivisionError):
+        worker.call(lambda: 1 / 0)
+    later = worker.submit(lambda: seen.append(threading.get_ident()))
+    worker.close()
+    later.result(5)
+    worker.thread.join(5)
+    assert not worker.thread.is_alive()
+    assert seen == [worker.thread.ident] * 2 and threading.get_ident() not in seen

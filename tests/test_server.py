@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -568,3 +569,41 @@ def test_a_port_in_use_fails_naming_it(server):
     assert done.returncode != 0
     assert "address already in use" in done.stderr
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200  # the first one serves on
+
+
+def test_the_models_load_on_the_thread_that_runs_the_engine_loop(monkeypatch):
+    """Every torch call of a server runs on one thread (not the event loop's): the models load,
+    the machine is measured and the loop steps on the engine thread, so the CPU's OpenMP threads
+    form one team. The output is still the reference's."""
+    from batchspec import SamplingParams, cli
+    from batchspec.core.sequence import Sequence
+    from batchspec.engine.online import Request
+    from batchspec.models.pair import PairSpec
+    from batchspec.serving import server
+
+    threads = {"load": set(), "forward": set()}
+    load = PairSpec.load
+    monkeypatch.setattr(PairSpec, "load", lambda self: threads["load"].add(threading.get_ident()) or load(self))
+    config = cli.serve_config(cli.build_parser().parse_args(["serve", "--pair", "tiny", "-k", "3"]))
+    service = server.build_service(config)
+    service.engine.ctx.target.register_forward_pre_hook(lambda *_: threads["forward"].add(threading.get_ident()))
+    service.engine.start()
+    try:
+        prompt = random_prompts(11, 1)[0]
+        done, tokens = threading.Event(), []
+
+        def emit(chunk):
+            tokens.extend(chunk.token_ids)
+            if chunk.finish_reason:
+                done.set()
+
+        params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+        seq = Sequence.request(0, prompt, params, service.context, service.pair.eos_ids)
+        service.engine.submit(Request(seq, emit))
+        assert done.wait(60)
+    finally:
+        service.engine.shutdown()
+    assert not service.engine.thread.is_alive()
+    assert threads["load"] == threads["forward"] == {service.engine.thread.ident}
+    assert threading.get_ident() not in threads["load"]
+    assert tokens == reference_tokens_64(prompt, 12)

@@ -21,6 +21,7 @@ from .core.errors import BatchspecError
 from .core.stats import startup_text
 from .decoder import SpecDecoder
 from .distributed import tp
+from .engine.threads import SPIN_MODES, SPIN_ROWS
 from .models import invariant
 from .models.pair import DTYPES, PAIRS, PairSpec, target_config
 from .models.quant import QUANTS
@@ -277,6 +278,14 @@ def _serve_parser(sub) -> None:
         help="when idle, how long a first request waits for others arriving right behind it (each within "
         "15 ms), so that requests sent together are prefilled together (default 50; 0: never wait)",
     )
+    g.add_argument(
+        "--spin",
+        choices=SPIN_MODES,
+        default="auto",
+        help="whether the CPU's OpenMP workers spin between products: on (fastest on cores the server has to "
+        "itself), off (they sleep soon: robust beside other busy processes), auto (on while the batch holds at "
+        f"least {SPIN_ROWS} rows; default). The output does not depend on it",
+    )
     g.add_argument("--served-model-name", help="the model name clients use (default: the pair's name)")
     g.add_argument(
         "--graceful-timeout",
@@ -362,6 +371,7 @@ def serve_config(args) -> ServeConfig:
         port=args.port,
         max_queue=args.max_queue,
         arrival_window_ms=args.arrival_window_ms,
+        spin=args.spin,
         served_model_name=args.served_model_name,
         prefix_cache=not args.no_prefix_cache,
         prefix_cache_tokens=args.prefix_cache_tokens,

@@ -1,6 +1,10 @@
 """The online engine: one thread owns the models and runs the engine loop (loop.py); requests
 enter a thread-safe inbox at any time and get their output through a callback.
 
+That thread (threads.EngineThread) also loads the models and measures the machine before the loop
+starts (`server.build_service`), so the CPU's OpenMP workers form one team; after each iteration
+`threads.Spin` decides whether they spin (threads.py).
+
 Each iteration takes new requests from the inbox, then `Loop.iterate` (drop cancelled rows, admit
 waiting requests into free rows of a ragged batch, one decode step). The output processor
 (`Context.observe`, here `_observe`) runs in the engine thread right after each commit: it
@@ -19,6 +23,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +35,7 @@ from ..core.sequence import Sequence
 from ..layouts.ragged import RaggedBatch
 from .loop import Loop
 from .step import Context
+from .threads import EngineThread, Spin
 
 
 class QueueFull(BatchspecError):
@@ -54,6 +60,12 @@ QUIET_S = 5.0
 #: and activation sizes the server has seen (docs/serving.md, "The soak").
 TRIM_EVERY_S = 30.0
 IDLE_TRIM_S = 1.0
+
+
+def _report(done: Future) -> None:
+    """The engine loop ended by an exception: say so (`fault` then reports the thread dead)."""
+    if done.exception() is not None:
+        traceback.print_exception(done.exception())
 
 
 @dataclass
@@ -103,7 +115,11 @@ class OnlineEngine:
         prefill_chunk: int | None = None,
         prefix_cache_tokens: int | None = None,
         arrival_window: float = ARRIVAL_WINDOW_S,
+        worker: EngineThread | None = None,
+        spin: str = "auto",
     ):
+        """`worker`: the thread that loaded the models, to run the loop on (default: a new one);
+        `spin`: whether the OpenMP workers spin between products (threads.Spin)."""
         self.ctx, self.capacity, self.budget, self.decode = ctx, capacity, budget, decode
         self.max_queue, self.arrival_window = max_queue, arrival_window
         ctx.observe = self._observe
@@ -119,7 +135,9 @@ class OnlineEngine:
         self.stopping = False
         self.counters = Counters()
         self.beat = time.monotonic()  # when the engine thread last began an iteration
-        self.thread = threading.Thread(target=self._main, name="batchspec-engine", daemon=True)
+        self.worker = worker if worker is not None else EngineThread()
+        self.thread = self.worker.thread
+        self.spin = Spin(spin)
 
     def _new_batch(self) -> RaggedBatch:
         return RaggedBatch(
@@ -127,7 +145,9 @@ class OnlineEngine:
         )
 
     def start(self) -> OnlineEngine:
-        self.thread.start()
+        """Run the loop on the engine thread (which ends with it)."""
+        self.worker.submit(self._main).add_done_callback(_report)
+        self.worker.close()
         return self
 
     def submit(self, request: Request) -> None:
@@ -157,6 +177,7 @@ class OnlineEngine:
         """Stop admitting, cancel queued and running requests, and join the engine thread."""
         with self.lock:
             self.stopping = True
+        self.worker.close()  # never started: the thread ends after what it ran
         if self.thread.is_alive():
             self.thread.join(timeout)
 
@@ -186,6 +207,8 @@ class OnlineEngine:
                 for seq in finished:
                     self._retire(seq)
                 self._update_gauges()
+                self.spin.follow(len(self.loop.batch))
+            self.spin.close()
 
     def _beat(self) -> None:
         self.beat = time.monotonic()

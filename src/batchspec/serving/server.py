@@ -39,6 +39,7 @@ from ..engine.lockstep import LockstepEngine
 from ..engine.online import Chunk, OnlineEngine, QueueFull, ShuttingDown
 from ..engine.online import Request as EngineRequest
 from ..engine.step import Context
+from ..engine.threads import EngineThread
 from ..models import invariant
 from ..policy.speculation import prepare
 from ..proposers.make import make_proposer
@@ -367,7 +368,7 @@ def run_cli(config: ServeConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     if not tp.is_leader():
-        service.engine.follow()
+        service.engine.worker.call(service.engine.follow)  # on the thread that loaded the models
         return 0
     app = create_app(service)
     print(
@@ -391,7 +392,13 @@ def run_cli(config: ServeConfig) -> int:
 
 
 def build_service(config: ServeConfig) -> Service:
-    """The pair, the proposer and the online engine of a `ServeConfig`."""
+    """The pair, the proposer and the online engine of a `ServeConfig`, all made on the thread
+    that will run the engine loop (online.EngineThread: every torch call on one thread)."""
+    worker = EngineThread()
+    return worker.call(_build_service, config, worker)
+
+
+def _build_service(config: ServeConfig, worker: EngineThread) -> Service:
     pair = config.models.load()
     invariant.apply(pair.target, config.engine.batch_invariant)
     proposer, _ = (None, None) if config.no_spec else make_proposer(pair, config.engine)
@@ -416,6 +423,8 @@ def build_service(config: ServeConfig) -> Service:
         chunk,
         prefix_tokens,
         config.arrival_window_ms / 1000,
+        worker,
+        config.spin,
     )
     service = Service(engine, pair, config.served_model_name or pair.name, lock)
     service.policy = config.access
