@@ -21,6 +21,7 @@ import copy
 import torch
 
 from ..core.errors import BatchspecError
+from . import lean
 from .linears import TunedLinear
 
 QUANTS = ("none", "int8", "int4")
@@ -150,6 +151,7 @@ def self_draft(target: torch.nn.Module, kind: str, dtype: torch.dtype) -> torch.
     shared = {id(p): p for p in target.parameters()}
     shared |= {id(m.table): m.table for m in target.modules() if isinstance(m, TunedLinear)}
     draft = copy.deepcopy(target, memo=shared)  # new modules; the target's Parameters in them
+    lean.install(draft)  # Llama-form layers in fewer operations (its products fused)
     if kind == "none":  # its own copy in dtype
         _replace_linears(draft, lambda layer: _cast_copy(layer, dtype))
     else:

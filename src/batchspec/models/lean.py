@@ -1,0 +1,112 @@
+"""A lean decoder layer for a Llama-family self-draft: the same function in fewer operations.
+
+At one or a few rows a small model's forward on a CPU is mostly the fixed cost of each operation
+(dispatch, allocation, Python), not its arithmetic: transformers' Llama layer runs about 80 of
+them, three products for q, k, v and two for the gate and up projections. `LeanLayer` computes the
+layer in about 20: one product for q, k and v together and one for gate and up (their weights
+concatenated by output rows, so a weight-only quantization per output row is the same as the
+three or two apart), RoPE on q and k at once, fused RMS norms. Attention and the cache are the
+engine's own (attention.py, the layout's cache), called as transformers calls them.
+
+Only a draft gets it (`quant.self_draft`): a draft's numerics never change the output, only how
+many drafts are accepted. The target keeps transformers' layers, whose numerics the reference
+shares. Layers of other architectures (qk-norm, sliding windows, other norms or activations) are
+left as they are (`supported`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+#: transformers' decoder layers of this form: RMSNorm, q/k/v/o, SiLU-gated MLP, RoPE.
+LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+
+
+def supported(layer: torch.nn.Module) -> bool:
+    """Whether `layer` is a full-attention Llama-form layer `LeanLayer` computes."""
+    if type(layer).__name__ not in LAYERS:
+        return False
+    config, attn = layer.self_attn.config, layer.self_attn
+    types = getattr(config, "layer_types", None)
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if types is not None:
+        sliding = types[attn.layer_idx] == "sliding_attention"
+    return config.hidden_act == "silu" and not sliding and not hasattr(attn, "q_norm")
+
+
+def _fused(*layers: torch.nn.Module) -> torch.nn.Linear:
+    """One linear layer whose output is the outputs of `layers` side by side (weights and biases
+    concatenated by output rows; a new tensor in their dtype)."""
+    weight = torch.cat([layer.weight.detach() for layer in layers])
+    out = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=layers[0].bias is not None, device="meta")
+    out.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if layers[0].bias is not None:
+        out.bias = torch.nn.Parameter(torch.cat([layer.bias.detach() for layer in layers]), requires_grad=False)
+    return out
+
+
+class LeanLayer(torch.nn.Module):
+    """A Llama-form decoder layer (`supported`) computed in fewer operations; transformers' decoder
+    layer's call signature and result."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = _fused(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o_proj = attn.o_proj
+        self.gate_up = _fused(mlp.gate_proj, mlp.up_proj)
+        self.down = mlp.down_proj
+        self.norm_attn, self.norm_mlp = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.variance_epsilon
+        config = attn.config
+        self.dim, self.heads, self.kv_heads = attn.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.scaling, self.layer_idx = attn.scaling, attn.layer_idx
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):  # held above, fused or as they are
+            delattr(attn, name)
+        self.attn = (attn,)  # what the attention function reads (config, layer_idx); not a submodule
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [B, q, H]
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache=None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [B, q, D]
+        **kwargs,
+    ) -> torch.Tensor:
+        b, q, width = hidden_states.shape
+        h = torch.nn.functional.rms_norm(hidden_states, (width,), self.norm_attn, self.eps)
+        qkv = self.qkv(h)
+        n_qk = (self.heads + self.kv_heads) * self.dim
+        qk = _rope(qkv[..., :n_qk].view(b, q, self.heads + self.kv_heads, self.dim), *position_embeddings)
+        query, key = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
+        value = qkv[..., n_qk:].view(b, q, self.kv_heads, self.dim).transpose(1, 2)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        attend = ALL_ATTENTION_FUNCTIONS[self.attn[0].config._attn_implementation]
+        out, _ = attend(self.attn[0], query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        hidden_states = hidden_states + self.o_proj(out.reshape(b, q, -1))
+        h = torch.nn.functional.rms_norm(hidden_states, (width,), self.norm_mlp, self.eps)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return hidden_states + self.down(torch.nn.functional.silu(gate) * up)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, q, heads, D] rotated by cos, sin [B, q, D] (transformers' rotate-half convention)."""
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def install(model: torch.nn.Module) -> int:
+    """Replace every `supported` decoder layer of `model` (a transformers causal LM) with a
+    LeanLayer, in place; the number replaced."""
+    layers = model.get_decoder().layers
+    count = 0
+    for i, layer in enumerate(layers):
+        if supported(layer):
+            layers[i] = LeanLayer(layer)
+            count += 1
+    return count

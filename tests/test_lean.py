@@ -1,0 +1,71 @@
+"""The lean decoder layer (models/lean.py) computes transformers' Llama-form layer: the same
+logits within rounding, with and without a cache, at every position; layers it does not compute
+are left as they are."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from batchspec import tiny_pair
+from batchspec.models import lean, quant
+
+
+def _model(kind: str) -> torch.nn.Module:
+    shape = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)
+    shape |= dict(num_key_value_heads=2, initializer_range=0.2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    if kind == "qwen2":  # biases on q, k, v
+        return Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            **shape,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        )
+    ).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@torch.inference_mode()
+def test_lean_layers_compute_the_same_logits(kind):
+    model = _model(kind)
+    leaned = copy.deepcopy(model)
+    assert lean.install(leaned) == 3
+    assert all(isinstance(layer, lean.LeanLayer) for layer in leaned.model.layers)
+    ids = torch.randint(0, 97, (2, 21))
+    want = model(input_ids=ids).logits
+    got = leaned(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    # fed in pieces over a cache: a prompt, then one token, then three
+    caches = [DynamicCache(config=m.config) for m in (model, leaned)]
+    for lo, hi in ((0, 15), (15, 16), (16, 19)):
+        outs = [m(input_ids=ids[:, lo:hi], cache=c, use_cache=True).logits for m, c in zip((model, leaned), caches)]
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
+
+
+def test_layers_it_does_not_compute_are_left_alone():
+    sliding = tiny_pair(sliding=True).target  # Gemma 3-style: other norms, qk-norm, windows
+    before = [type(layer) for layer in sliding.get_decoder().layers]
+    draft = quant.self_draft(sliding, "int8", torch.float32)
+    assert [type(layer) for layer in draft.get_decoder().layers] == before
+
+
+def test_a_self_draft_gets_lean_layers_and_agrees_with_its_target():
+    """The tiny pair's self-draft (int8): every layer lean, and its greedy choice the target's at
+    nearly every position of a teacher-forced sequence."""
+    pair = tiny_pair(dtype=torch.float32)
+    draft = quant.self_draft(pair.target, "int8", torch.float32)
+    assert all(isinstance(layer, lean.LeanLayer) for layer in draft.get_decoder().layers)
+    ids = torch.randint(0, 256, (1, 64))
+    with torch.inference_mode():
+        agree = (draft(input_ids=ids).logits.argmax(-1) == pair.target(input_ids=ids).logits.argmax(-1)).float()
+    assert agree.mean() > 0.9
