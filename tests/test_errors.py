@@ -139,14 +139,3 @@ def test_arrival_window_out_of_range(ms):
 
     with pytest.raises(BatchspecError, match=f"--arrival-window-ms must be between 0 and 1000, got {ms}"):
         ServeConfig(arrival_window_ms=ms)
-
-
-def test_spin_mode_must_be_known(capsys):
-    from batchspec import cli
-    from batchspec.serving.config import ServeConfig
-
-    with pytest.raises(BatchspecError, match="--spin must be one of auto, on, off, got 'fast'"):
-        ServeConfig(spin="fast")
-    with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["serve", "--spin", "fast"])
-    assert "invalid choice: 'fast'" in capsys.readouterr().err

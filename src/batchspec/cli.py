@@ -21,7 +21,6 @@ from .core.errors import BatchspecError
 from .core.stats import startup_text
 from .decoder import SpecDecoder
 from .distributed import tp
-from .engine.threads import SPIN_MODES, SPIN_ROWS
 from .models import invariant
 from .models.pair import DTYPES, PAIRS, PairSpec, target_config
 from .models.quant import QUANTS
@@ -280,11 +279,10 @@ def _serve_parser(sub) -> None:
     )
     g.add_argument(
         "--spin",
-        choices=SPIN_MODES,
-        default="auto",
-        help="whether the CPU's OpenMP workers spin between products: on (fastest on cores the server has to "
-        "itself), off (they sleep soon: robust beside other busy processes), auto (on while the batch holds at "
-        f"least {SPIN_ROWS} rows; default). The output does not depend on it",
+        action="store_true",
+        help="let the CPU's OpenMP workers spin between products: faster on cores the server has to itself, "
+        "much slower beside another busy process (docs/serving.md, One OpenMP team or two). The output does not "
+        "depend on it",
     )
     g.add_argument("--served-model-name", help="the model name clients use (default: the pair's name)")
     g.add_argument(

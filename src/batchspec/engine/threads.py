@@ -6,12 +6,15 @@ throttles their spinning: an idle worker soon sleeps, and every small product th
 With one team on cores it has to itself, its workers spin between products: measured on 2 cores,
 the online engine made 0.92x of its offline speed with one team against 0.80x with two
 (docs/serving.md, "One OpenMP team or two"). But spinning workers collapse when another process
-wants a core at small batches (one client beside a busy load generator: 8-9 against 20 tok/s),
-because at every barrier one waits, spinning, for the other the scheduler parked.
+wants a core (a client beside a busy load generator: 8-9 against 18-20 tok/s), because at every
+barrier one waits, spinning, for the other the scheduler parked.
 
 - `EngineThread` runs a server's loading, measuring and engine loop on one thread: one team.
-- `Ballast` is a parked thread that holds a second team, so that libgomp throttles; the engine
-  holds it while its batch has few rows (`Spin`) and lets it go while the batch is large.
+- `Ballast` is a parked thread that holds a second team, so that libgomp throttles. The engine
+  holds one while its loop runs, unless told to spin (`serve --spin`). Measured beside the load
+  generator on 2 cores (docs/serving.md, "One OpenMP team or two"), spinning lost at 1 to 8
+  clients (9.4 against 18.3 tok/s at 1) and gained little at 16: it is for cores the server has
+  to itself.
 """
 
 from __future__ import annotations
@@ -22,10 +25,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
-
-#: `--spin` choices: auto (spin while the batch holds at least SPIN_ROWS rows), on, off.
-SPIN_MODES = ("auto", "on", "off")
-SPIN_ROWS = 4
 
 
 class EngineThread:
@@ -81,35 +80,3 @@ class Ballast:
     def release(self) -> None:
         self._go.set()
         self.thread.join()
-
-
-class Spin:
-    """Whether the engine's OpenMP workers spin: `mode` on (never a ballast), off (always one), or
-    auto (a ballast while the batch has fewer than `rows` rows). `follow(rows)` after each step."""
-
-    def __init__(self, mode: str = "auto", rows: int = SPIN_ROWS):
-        if mode not in SPIN_MODES:
-            raise ValueError(f"spin mode must be one of {SPIN_MODES}, got {mode!r}")
-        self.mode, self.rows = mode, rows
-        self.ballast: Ballast | None = None
-        self.switches = 0  # times the ballast was taken or let go
-
-    @property
-    def spinning(self) -> bool:
-        return self.ballast is None
-
-    def follow(self, rows: int) -> None:
-        want = self.mode == "on" or (self.mode == "auto" and rows >= self.rows)
-        if want == self.spinning:
-            return
-        if want:
-            self.ballast.release()
-            self.ballast = None
-        else:
-            self.ballast = Ballast()
-        self.switches += 1
-
-    def close(self) -> None:
-        if self.ballast is not None:
-            self.ballast.release()
-            self.ballast = None
