@@ -2,19 +2,16 @@
 
 PyTorch's CPU build parallelises with OpenMP (libgomp), which keeps a team of worker threads for
 every thread that has run a parallel region. While the teams' threads outnumber the cores, libgomp
-throttles their spinning: an idle worker soon sleeps, and every small product then pays a wake-up.
-With one team on cores it has to itself, its workers spin between products: measured on 2 cores,
-the online engine made 0.92x of its offline speed with one team against 0.80x with two
-(docs/serving.md, "One OpenMP team or two"). But spinning workers collapse when another process
-wants a core (a client beside a busy load generator: 8-9 against 18-20 tok/s), because at every
-barrier one waits, spinning, for the other the scheduler parked.
+throttles their spinning: an idle worker soon sleeps, and every small product pays a wake-up. With
+one team on cores it has to itself the workers spin between products, which made the engine loop
+15% faster in process; but when another process wants a core they wait on each other at every
+barrier (one spinning, the other parked by the scheduler): beside the load generator on 2 cores
+the server lost half its throughput at 1 to 8 clients (docs/serving.md, "One OpenMP team or two").
 
 - `EngineThread` runs a server's loading, measuring and engine loop on one thread: one team.
 - `Ballast` is a parked thread that holds a second team, so that libgomp throttles. The engine
-  holds one while its loop runs, unless told to spin (`serve --spin`). Measured beside the load
-  generator on 2 cores (docs/serving.md, "One OpenMP team or two"), spinning lost at 1 to 8
-  clients (9.4 against 18.3 tok/s at 1) and gained little at 16: it is for cores the server has
-  to itself.
+  holds one while its loop runs, unless told to spin (`serve --spin`: for cores the server has to
+  itself).
 """
 
 from __future__ import annotations
