@@ -69,3 +69,22 @@ def test_a_self_draft_gets_lean_layers_and_agrees_with_its_target():
     with torch.inference_mode():
         agree = (draft(input_ids=ids).logits.argmax(-1) == pair.target(input_ids=ids).logits.argmax(-1)).float()
     assert agree.mean() > 0.9
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_windowed_layers_keep_transformers_layers(window):
+    """A Mistral-style model: lean layers without a window, transformers' layers with one (the
+    lean layer does not cut masks to a window)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=window,
+    )
+    model = MistralForCausalLM(config).eval()
+    assert lean.install(model) == (2 if window is None else 0)
