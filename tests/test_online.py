@@ -278,35 +278,6 @@ def test_freed_heap_pages_go_back_once_the_loop_idles(tiny64, monkeypatch):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("spin", [False, True])
-def test_a_ballast_team_is_held_while_the_loop_runs_unless_told_to_spin(tiny64, spin):
-    """Unless `spin`, the engine parks a thread holding a second OpenMP team (threads.Ballast) for
-    as long as its loop runs, so that libgomp throttles its workers' spinning; it ends with the
-    loop. The output is the reference's either way."""
-
-    def ballasts():
-        return [t for t in threading.enumerate() if t.name == "batchspec-ballast"]
-
-    assert not ballasts()
-    engine = OnlineEngine(_context(tiny64), 2, 256, _byte_decode, spin=spin).start()
-    prompt = random_prompts(5, 1, 3, 10)[0]
-    done, tokens = threading.Event(), []
-
-    def emit(chunk: Chunk):
-        tokens.extend(chunk.token_ids)
-        if chunk.finish_reason:
-            done.set()
-
-    try:
-        engine.submit(Request(_seq(tiny64, prompt, SamplingParams(max_new_tokens=12, ignore_eos=True)), emit))
-        assert done.wait(30)
-        assert len(ballasts()) == (0 if spin else 1)
-    finally:
-        engine.shutdown()
-    assert not engine.thread.is_alive() and not ballasts()
-    assert tokens == reference_tokens(tiny64, [prompt], 12)[0]
-
-
 def test_the_engine_thread_runs_calls_in_order_and_hands_back_errors():
     from batchspec.engine.threads import EngineThread
 

@@ -571,10 +571,12 @@ def test_a_port_in_use_fails_naming_it(server):
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200  # the first one serves on
 
 
-def test_the_models_load_on_the_thread_that_runs_the_engine_loop(monkeypatch):
-    """Every torch call of a server runs on one thread (not the event loop's): the models load,
-    the machine is measured and the loop steps on the engine thread, so the CPU's OpenMP threads
-    form one team. The output is still the reference's."""
+@pytest.mark.parametrize("spin", [False, True])
+def test_under_spin_the_models_load_on_the_thread_that_runs_the_engine_loop(monkeypatch, spin):
+    """With `--spin` every torch call of a server runs on one thread (not the event loop's): the
+    models load, the machine is measured and the loop steps on the engine thread, so the CPU's
+    OpenMP threads form one team. Without it the models load on the calling thread and the loop
+    runs on its own (two teams). The output is the reference's either way."""
     from batchspec import SamplingParams, cli
     from batchspec.core.sequence import Sequence
     from batchspec.engine.online import Request
@@ -584,7 +586,8 @@ def test_the_models_load_on_the_thread_that_runs_the_engine_loop(monkeypatch):
     threads = {"load": set(), "forward": set()}
     load = PairSpec.load
     monkeypatch.setattr(PairSpec, "load", lambda self: threads["load"].add(threading.get_ident()) or load(self))
-    config = cli.serve_config(cli.build_parser().parse_args(["serve", "--pair", "tiny", "-k", "3"]))
+    argv = ["serve", "--pair", "tiny", "-k", "3"] + (["--spin"] if spin else [])
+    config = cli.serve_config(cli.build_parser().parse_args(argv))
     service = server.build_service(config)
     service.engine.ctx.target.register_forward_pre_hook(lambda *_: threads["forward"].add(threading.get_ident()))
     service.engine.start()
@@ -604,6 +607,6 @@ def test_the_models_load_on_the_thread_that_runs_the_engine_loop(monkeypatch):
     finally:
         service.engine.shutdown()
     assert not service.engine.thread.is_alive()
-    assert threads["load"] == threads["forward"] == {service.engine.thread.ident}
-    assert threading.get_ident() not in threads["load"]
+    assert threads["forward"] == {service.engine.thread.ident} != {threading.get_ident()}
+    assert threads["load"] == ({service.engine.thread.ident} if spin else {threading.get_ident()})
     assert tokens == reference_tokens_64(prompt, 12)

@@ -1,9 +1,8 @@
 """The online engine: one thread owns the models and runs the engine loop (loop.py); requests
 enter a thread-safe inbox at any time and get their output through a callback.
 
-That thread (threads.EngineThread) also loads the models and measures the machine before the loop
-starts (`server.build_service`), so the CPU's OpenMP workers form one team; unless told to `spin`,
-a `threads.Ballast` holds a second team while the loop runs, so that they do not (threads.py).
+That thread is a threads.EngineThread, which under `serve --spin` also loads the models and
+measures the machine before the loop starts (threads.py says why it matters).
 
 Each iteration takes new requests from the inbox, then `Loop.iterate` (drop cancelled rows, admit
 waiting requests into free rows of a ragged batch, one decode step). The output processor
@@ -35,7 +34,7 @@ from ..core.sequence import Sequence
 from ..layouts.ragged import RaggedBatch
 from .loop import Loop
 from .step import Context
-from .threads import Ballast, EngineThread
+from .threads import EngineThread
 
 
 class QueueFull(BatchspecError):
@@ -116,10 +115,8 @@ class OnlineEngine:
         prefix_cache_tokens: int | None = None,
         arrival_window: float = ARRIVAL_WINDOW_S,
         worker: EngineThread | None = None,
-        spin: bool = False,
     ):
-        """`worker`: the thread that loaded the models, to run the loop on (default: a new one);
-        `spin`: let the OpenMP workers spin between products (no `threads.Ballast`)."""
+        """`worker`: the thread to run the loop on (default: a new one)."""
         self.ctx, self.capacity, self.budget, self.decode = ctx, capacity, budget, decode
         self.max_queue, self.arrival_window = max_queue, arrival_window
         ctx.observe = self._observe
@@ -137,7 +134,6 @@ class OnlineEngine:
         self.beat = time.monotonic()  # when the engine thread last began an iteration
         self.worker = worker if worker is not None else EngineThread()
         self.thread = self.worker.thread
-        self.spin = spin
 
     def _new_batch(self) -> RaggedBatch:
         return RaggedBatch(
@@ -183,14 +179,6 @@ class OnlineEngine:
 
     # --- the engine thread --------------------------------------------------------------------
     def _main(self) -> None:
-        ballast = None if self.spin else Ballast()
-        try:
-            self._serve()
-        finally:
-            if ballast is not None:
-                ballast.release()
-
-    def _serve(self) -> None:
         torch.set_grad_enabled(False)
         with torch.inference_mode():
             last_work = trimmed = time.monotonic()

@@ -1,4 +1,4 @@
-"""The threads a server's torch work runs on, and whether the CPU's OpenMP workers spin.
+"""The thread a server's engine loop runs on, and whether the CPU's OpenMP workers spin.
 
 PyTorch's CPU build parallelises with OpenMP (libgomp), which keeps a team of worker threads for
 every thread that has run a parallel region. While the teams' threads outnumber the cores, libgomp
@@ -8,10 +8,9 @@ one team on cores it has to itself the workers spin between products, which made
 barrier (one spinning, the other parked by the scheduler): beside the load generator on 2 cores
 the server lost half its throughput at 1 to 8 clients (docs/serving.md, "One OpenMP team or two").
 
-- `EngineThread` runs a server's loading, measuring and engine loop on one thread: one team.
-- `Ballast` is a parked thread that holds a second team, so that libgomp throttles. The engine
-  holds one while its loop runs, unless told to spin (`serve --spin`: for cores the server has to
-  itself).
+So by default a server loads its models on the main thread and runs the loop on an
+`EngineThread` of its own: two teams, throttled. With `serve --spin` the engine thread also loads
+the models and measures the machine (every torch call on one thread): one team, spinning.
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-
-import torch
 
 
 class EngineThread:
@@ -56,24 +53,3 @@ class EngineThread:
                     done.set_result(fn(*args))
                 except BaseException as err:  # noqa: BLE001 - handed to the caller
                     done.set_exception(err)
-
-
-class Ballast:
-    """A parked thread that has run one OpenMP parallel region, so its team exists (and counts)
-    while it is held; `release` ends the thread and its team with it."""
-
-    def __init__(self):
-        self._go, ready = threading.Event(), threading.Event()
-
-        def park():
-            torch.ones(1 << 18).add_(1)  # above ATen's grain size: a parallel region, a team
-            ready.set()
-            self._go.wait()
-
-        self.thread = threading.Thread(target=park, name="batchspec-ballast", daemon=True)
-        self.thread.start()
-        ready.wait()
-
-    def release(self) -> None:
-        self._go.set()
-        self.thread.join()

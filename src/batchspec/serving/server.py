@@ -368,7 +368,10 @@ def run_cli(config: ServeConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     if not tp.is_leader():
-        service.engine.worker.call(service.engine.follow)  # on the thread that loaded the models
+        if config.spin:  # on the thread that loaded the models
+            service.engine.worker.call(service.engine.follow)
+        else:
+            service.engine.follow()
         return 0
     app = create_app(service)
     print(
@@ -392,10 +395,13 @@ def run_cli(config: ServeConfig) -> int:
 
 
 def build_service(config: ServeConfig) -> Service:
-    """The pair, the proposer and the online engine of a `ServeConfig`, all made on the thread
-    that will run the engine loop (online.EngineThread: every torch call on one thread)."""
+    """The pair, the proposer and the online engine of a `ServeConfig`: made on this thread, or
+    under `config.spin` on the thread that will run the engine loop (every torch call on one
+    thread: one OpenMP team; engine/threads.py)."""
     worker = EngineThread()
-    return worker.call(_build_service, config, worker)
+    if config.spin:
+        return worker.call(_build_service, config, worker)
+    return _build_service(config, worker)
 
 
 def _build_service(config: ServeConfig, worker: EngineThread) -> Service:
@@ -424,7 +430,6 @@ def _build_service(config: ServeConfig, worker: EngineThread) -> Service:
         prefix_tokens,
         config.arrival_window_ms / 1000,
         worker,
-        config.spin,
     )
     service = Service(engine, pair, config.served_model_name or pair.name, lock)
     service.policy = config.access
