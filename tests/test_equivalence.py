@@ -114,3 +114,20 @@ def test_verify_cli_writes_json(tmp_path, capsys):
     }
     assert len(report["runs"]) == 4 and all(keys <= set(r) for r in report["runs"])
     assert "exact" in capsys.readouterr().out
+
+
+def test_verify_hands_over_each_finished_cell(tiny32):
+    """A long verify leaves its finished cells behind: `on_run` sees the report after each one."""
+    seen = []
+    report = verify(
+        tiny32,
+        random_prompts(43, 3, 4, 12),
+        ["eqspec", "ragged"],
+        [1, 2],
+        SamplingParams(max_new_tokens=8, ignore_eos=True),
+        progress=False,
+        on_run=lambda partial: seen.append([(r["method"], r["batch_size"]) for r in partial["runs"]]),
+    )
+    cells = [(r["method"], r["batch_size"]) for r in report["runs"]]
+    assert seen == [cells[: i + 1] for i in range(4)]
+    assert all(r["seconds"] >= 0 for r in report["runs"])

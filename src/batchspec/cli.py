@@ -530,6 +530,7 @@ def cmd_verify(args) -> int:
         params,
         chat_template=not args.no_chat_template,
         progress=not args.quiet,
+        on_run=(lambda partial: write_json(args.json, partial)) if args.json else None,
         **(engine_options(args) | {"k": k_values(args.k)[0], "branches": branch_values(args.branches)[0]}),
     )
     print(equivalence.table(report))

@@ -17,6 +17,7 @@ dtype's machine epsilon and scale the largest |logit| at t.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -101,10 +102,13 @@ def verify(
     proposer=None,
     chat_template=True,
     progress=True,
+    on_run=None,
     **options,
 ) -> dict:
     """Run the reference once, every method at every batch size, and compare (greedy only).
-    `options`: further EngineConfig fields (window_size, min_group, ...) for every method."""
+    `options`: further EngineConfig fields (window_size, min_group, ...) for every method.
+    `on_run(report)`, if given, sees the report so far after each (method, batch size): a long run
+    leaves its finished cells behind."""
     if not params.greedy:
         raise BatchspecError("verify compares greedy outputs; use --temperature 0")
     params = replace(params, logprobs=params.logprobs or 0)  # each token's logprob: its logits row, compared
@@ -114,12 +118,15 @@ def verify(
     prompt_ids = [o.prompt_token_ids for o in ref_outs]
     references = [o.token_ids for o in ref_outs]
     runs = []
+    header = {"models": pair.describe(), "k": k, "max_new_tokens": params.max_new_tokens}
     combos = [(m, b) for m in methods for b in batch_sizes]
     for method, batch in tqdm(combos, desc="verify", disable=not progress, leave=False):
         dec = SpecDecoder(
             pair, EngineConfig(method=method, batch_size=batch, k=k, proposer=proposer, progress=progress, **options)
         )
+        start = time.perf_counter()
         outs = dec.generate(prompt_ids, params)
+        seconds = time.perf_counter() - start
         metrics, divs = compare(pair.target, prompt_ids, references, [o.token_ids for o in outs])
         runs.append(
             {
@@ -129,10 +136,13 @@ def verify(
                 "batch_invariant": bool(mode),
                 **metrics,
                 "max_logprob_diff": logprob_gap(ref_outs, outs),
+                "seconds": round(seconds, 1),
                 "divergence_list": [asdict(d) | _texts(pair, d) for d in divs],
             }
         )
-    return {"runs": runs, "models": pair.describe(), "k": k, "max_new_tokens": params.max_new_tokens}
+        if on_run is not None:
+            on_run({"runs": runs} | header)
+    return {"runs": runs} | header
 
 
 def logprob_gap(references, outputs) -> float:
