@@ -64,7 +64,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--draft-dtype",
         choices=list(DTYPES),
-        help="the draft model's and draft head's own precision (default: --dtype); the output does not depend on it",
+        help="the draft model's and draft head's own precision (default: --dtype; for --draft self, bfloat16 "
+        "where the device computes it natively); the output does not depend on it",
     )
     g.add_argument(
         "--draft-quant",
@@ -135,7 +136,7 @@ def _decode_options(p: argparse.ArgumentParser, one_method: bool) -> None:
     else:
         list_help = BRANCHES_HELP + "; a comma-separated list runs each value (bench)"
         g.add_argument("--branches", default="1", help=list_help)
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128; verify: 48)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -289,7 +290,7 @@ def _serve_parser(sub) -> None:
         "--graceful-timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM, seconds running requests may take to finish before they are cancelled",
+        help="on SIGTERM, seconds running requests may take to finish before they are cancelled (default 30)",
     )
     g = p.add_argument_group("access (docs/serving.md, Security)")
     g.add_argument(
