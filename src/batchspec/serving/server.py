@@ -368,10 +368,7 @@ def run_cli(config: ServeConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     if not tp.is_leader():
-        if config.spin:  # on the thread that loaded the models
-            service.engine.worker.call(service.engine.follow)
-        else:
-            service.engine.follow()
+        _on_loading_thread(config, service.engine.worker, service.engine.follow)
         return 0
     app = create_app(service)
     print(
@@ -399,9 +396,13 @@ def build_service(config: ServeConfig) -> Service:
     under `config.spin` on the thread that will run the engine loop (every torch call on one
     thread: one OpenMP team; engine/threads.py)."""
     worker = EngineThread()
-    if config.spin:
-        return worker.call(_build_service, config, worker)
-    return _build_service(config, worker)
+    return _on_loading_thread(config, worker, _build_service, config, worker)
+
+
+def _on_loading_thread(config: ServeConfig, worker: EngineThread, fn, *args):
+    """fn(*args) on the thread that loads the models: the engine's `worker` under `config.spin`,
+    else this one."""
+    return worker.call(fn, *args) if config.spin else fn(*args)
 
 
 def _build_service(config: ServeConfig, worker: EngineThread) -> Service:
