@@ -4,7 +4,12 @@ skipped (a self-speculative draft that skips layers is cheaper per step, if it s
 Teacher-forced along the float32 target's own greedy continuations of Spec-Bench prompts: at each
 generated position, is the draft's argmax the target's token?
 
-    python experiments/self_draft_agreement.py [--quant int8] [--prompts N] [--new-tokens 48]
+    python experiments/self_draft_agreement.py [--quant int8] [--prompts N] [--every 60] [--new-tokens 48]
+        [--group 32] [--int4-head] [--all-layers-only]
+
+The draft's LM head is its full one (`draft_vocab="full"`: the quantization alone is measured);
+`--group` sets int4's inputs per group (quant.GROUP), `--int4-head` makes the head int4 as well
+(it stays int8 by default), `--all-layers-only` skips the layer-skipping sets.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import torch
 
 from batchspec import load_pair
+from batchspec.models import quant
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "spec_bench", "question.jsonl")
 
@@ -36,11 +42,18 @@ def main() -> None:
     ap.add_argument("--quant", default="int8", choices=["none", "int8", "int4"])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--every", type=int, default=60, help="take every N-th Spec-Bench prompt")
+    ap.add_argument("--group", type=int, default=quant.GROUP, help="int4: inputs per group")
+    ap.add_argument("--int4-head", action="store_true", help="int4: the LM head int4 too")
+    ap.add_argument("--all-layers-only", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
-    pair = load_pair("default", dtype="float32", draft="self", draft_quant=args.quant)
+    quant.GROUP = args.group
+    pair = load_pair("default", dtype="float32", draft="self", draft_quant=args.quant, draft_vocab="full")
+    if args.int4_head:
+        pair.draft.lm_head = quant.QuantLinear(pair.target.lm_head.weight, None, "int4")
     with open(PROMPTS, encoding="utf-8") as f:
-        texts = [json.loads(line)["turns"][0] for line in f][::60][: args.prompts]
+        texts = [json.loads(line)["turns"][0] for line in f][:: args.every][: args.prompts]
     runs = []
     for text in texts:
         ids = torch.tensor([pair.encode(text)])
@@ -48,7 +61,8 @@ def main() -> None:
         runs.append((ids.shape[1], out))
     layers = list(pair.draft.model.layers)
     result = {}
-    for name, keep in layer_sets(len(layers)).items():
+    sets = layer_sets(len(layers))
+    for name, keep in {"all": sets["all"]}.items() if args.all_layers_only else sets.items():
         pair.draft.model.layers = torch.nn.ModuleList([layers[i] for i in keep])
         agree = total = 0
         for start, out in runs:
@@ -59,7 +73,8 @@ def main() -> None:
         print(f"{name:24s} {len(keep):3d} layers  agreement {agree / total:.3f} ({total} positions)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"quant": args.quant, "sets": result}, f, indent=1)
+            config = {"quant": args.quant, "group": args.group, "int4_head": args.int4_head}
+            json.dump(config | {"prompts": len(texts), "every": args.every, "sets": result}, f, indent=1)
 
 
 if __name__ == "__main__":

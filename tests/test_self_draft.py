@@ -40,11 +40,14 @@ def test_the_self_draft_is_a_quantized_copy_sharing_only_the_embedding(self_pair
     assert info["draft_dtype"] in ("bfloat16", "float32") and "self (int8)" in info["pair"]
 
 
-def test_int4_layers_are_int4_where_the_width_allows(self_pairs):
-    kinds = {m.kind for m in self_pairs["int4"].draft.modules() if isinstance(m, QuantLinear)}
-    assert kinds == {"int4"}  # the tiny model's widths are multiples of 64
+def test_int4_layers_are_int4_where_the_width_allows_but_the_head_is_int8(self_pairs):
+    draft = self_pairs["int4"].draft
+    head = draft.get_output_embeddings()
+    kinds = {m.kind for m in draft.modules() if isinstance(m, QuantLinear) and m is not head}
+    assert kinds == {"int4"}  # the tiny model's widths are multiples of 32
+    assert isinstance(head, QuantLinear) and head.kind == "int8"
     odd = QuantLinear(torch.randn(8, 48), None, "int4")
-    assert odd.kind == "int8"  # 48 inputs: no whole group of 64
+    assert odd.kind == "int8"  # 48 inputs: no whole group of 32
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

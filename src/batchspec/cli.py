@@ -70,8 +70,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--draft-quant",
         choices=list(QUANTS),
-        help="the draft model's linear layers weight-only quantized (default: int8 for --draft self on a "
-        "CPU, else none); the output does not depend on it",
+        help="the draft model's linear layers weight-only quantized (default: int4, its LM head int8, for "
+        "--draft self on a CPU, else none); the output does not depend on it",
     )
     g.add_argument(
         "--draft-vocab",

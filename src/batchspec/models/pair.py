@@ -136,7 +136,7 @@ def load_pair(
     """Load a built-in pair by name, or a target (and optional draft) from a directory, a .gguf
     file or a hub id. Without a draft the pair uses the n-gram proposer. `tp_size` > 1: this
     process is one rank of a tensor-parallel group (tp.py); the target is sharded, the draft whole.
-    `draft="self"`: the target's own copy, quantized (`draft_quant`, default int8 on a CPU), is the
+    `draft="self"`: the target's own copy, quantized (`draft_quant`, default int4 on a CPU), is the
     draft model, also beside a built-in pair. `draft_dtype`: the draft model's and the head's
     precision (default: `dtype`; a self-draft's: bfloat16 where the CPU computes it natively or on
     a GPU). `draft_quant` (none, int8, int4): the draft model's linear layers weight-only
@@ -229,13 +229,13 @@ def _reduce_draft_head(pair: ModelPair, rows: int, dtype: torch.dtype, quantized
 def _use_self_draft(
     pair: ModelPair, device: str, draft_dtype: str | None, draft_quant: str | None, draft_vocab: int | str | None
 ) -> None:
-    """Make the target's quantized copy `pair`'s draft model (quant.self_draft): int8 on a CPU,
+    """Make the target's quantized copy `pair`'s draft model (quant.self_draft): int4 on a CPU,
     unquantized on other devices (PyTorch's weight-only kernels are CPU ones); computing in
     bfloat16 where that is native (oneDNN's check, or a GPU), else float32. Its head is a
     GrowingHead of `draft_vocab` rows (default vocab.SELF_ROWS) made from the target's head, where
     the vocabulary is larger."""
     on_cpu = torch.device(device).type == "cpu"
-    kind = draft_quant or ("int8" if on_cpu else "none")
+    kind = draft_quant or ("int4" if on_cpu else "none")
     if draft_dtype is None:
         draft_dtype = "bfloat16" if not on_cpu or cpu_has_bf16() else "float32"
     quant.check(kind, device)
