@@ -2,7 +2,7 @@
 
 One sweep over SmolLM2-135M's 210 decoder weights (random values, its shapes), per row count M,
 for each formulation: float32 and bfloat16 `F.linear`, bfloat16 through oneDNN's packed weights,
-int8 (`_weight_int8pack_mm`, bfloat16 rows), int4 (`_weight_int4pack_mm_for_cpu`, groups of 64),
+int8 (`_weight_int8pack_mm`, bfloat16 rows), int4 (`_weight_int4pack_mm_for_cpu`, groups of 32 and of 64),
 and int8 dequantized to bfloat16 on the fly then `F.linear` (what a QuantLinear does above
 DENSE_ROWS rows). The fastest of --runs sweeps counts.
 
@@ -14,14 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from batchspec.models.quant import GROUP, quantize_int4, quantize_int8
+from batchspec.models.quant import quantize_int4, quantize_int8
 
 SHAPES = [(576, 576)] * 2 + [(192, 576)] * 2 + [(1536, 576)] * 2 + [(576, 1536)]  # q, o, k, v, gate, up, down
 LAYERS = 30
+
+
+def _int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales)
 
 
 def sweep(calls, rows: int, runs: int) -> float:
@@ -59,15 +64,18 @@ def main() -> None:
             for w in bf16
         ],
         "int8": [(torch.ops.aten._weight_int8pack_mm, quantize_int8(w), w.shape[1], torch.bfloat16) for w in weights],
-        "int4": [
-            (
-                lambda x, p, s: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, GROUP, s),
-                quantize_int4(w),
-                w.shape[1],
-                torch.bfloat16,
-            )
-            for w in weights
-        ],
+        **{
+            f"int4 (groups of {group})": [
+                (
+                    partial(_int4, group=group),
+                    quantize_int4(w, group),
+                    w.shape[1],
+                    torch.bfloat16,
+                )
+                for w in weights
+            ]
+            for group in (32, 64)
+        },
         "int8 dequantized": [
             (
                 lambda x, q, s: F.linear(x, q.to(torch.bfloat16) * s[:, None]),

@@ -5,11 +5,12 @@ Teacher-forced along the float32 target's own greedy continuations of Spec-Bench
 generated position, is the draft's argmax the target's token?
 
     python experiments/self_draft_agreement.py [--quant int8] [--prompts N] [--every 60] [--new-tokens 48]
-        [--group 32] [--int4-head] [--all-layers-only]
+        [--group 32] [--int4-head] [--all-layers-only] [--time]
 
 The draft's LM head is its full one (`draft_vocab="full"`: the quantization alone is measured);
 `--group` sets int4's inputs per group (quant.GROUP), `--int4-head` makes the head int4 as well
-(it stays int8 by default), `--all-layers-only` skips the layer-skipping sets.
+(it stays int8 by default), `--all-layers-only` skips the layer-skipping sets, `--time` also times
+one forward of the draft (all its layers) at one row over 400 cached slots (median of 21).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from batchspec import load_pair
 from batchspec.models import quant
+from batchspec.policy.costmodel import time_forward
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "spec_bench", "question.jsonl")
 
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=quant.GROUP, help="int4: inputs per group")
     ap.add_argument("--int4-head", action="store_true", help="int4: the LM head int4 too")
     ap.add_argument("--all-layers-only", action="store_true")
+    ap.add_argument("--time", action="store_true", help="time one forward at one row (ms)")
     ap.add_argument("--json")
     args = ap.parse_args()
     quant.GROUP = args.group
@@ -59,6 +62,9 @@ def main() -> None:
         ids = torch.tensor([pair.encode(text)])
         out = pair.target.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
         runs.append((ids.shape[1], out))
+    forward_ms = round(time_forward(pair.draft, 1, 1, 400, repeats=21) * 1e3, 1) if args.time else None
+    if forward_ms is not None:
+        print(f"one forward, 1 row over 400 slots: {forward_ms} ms")
     layers = list(pair.draft.model.layers)
     result = {}
     sets = layer_sets(len(layers))
@@ -73,8 +79,8 @@ def main() -> None:
         print(f"{name:24s} {len(keep):3d} layers  agreement {agree / total:.3f} ({total} positions)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            config = {"quant": args.quant, "group": args.group, "int4_head": args.int4_head}
-            json.dump(config | {"prompts": len(texts), "every": args.every, "sets": result}, f, indent=1)
+            config = {"quant": args.quant, "group": args.group, "int4_head": args.int4_head, "every": args.every}
+            json.dump(config | {"prompts": len(texts), "forward_ms": forward_ms, "sets": result}, f, indent=1)
 
 
 if __name__ == "__main__":

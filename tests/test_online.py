@@ -291,3 +291,33 @@ def test_the_engine_thread_runs_calls_in_order_and_hands_back_errors():
     worker.thread.join(5)
     assert not worker.thread.is_alive()
     assert seen == [worker.thread.ident] * 2 and threading.get_ident() not in seen
+
+
+def test_spin_auto_holds_a_second_openmp_team_while_the_batch_is_small():
+    """threads.Spin: a ballast thread (and, with more than one torch thread, the OpenMP worker of
+    its team) exists while the batch has fewer rows than the threshold, and is gone from it on."""
+    import os
+
+    from batchspec.engine.threads import Spin
+
+    def tasks() -> int:
+        time.sleep(0.05)  # a released team's workers take a moment to exit
+        return len(os.listdir("/proc/self/task"))
+
+    torch.ones(1 << 18).add_(1)  # this thread's own team exists before counting
+    alone = tasks()
+    extra = 1 + (torch.get_num_threads() > 1)  # the ballast thread and its team's worker
+    spin = Spin(rows=12)
+    try:
+        assert not spin.spinning and tasks() == alone + extra  # an idle engine does not spin
+        spin.follow(11)
+        assert not spin.spinning and spin.switches == 0
+        spin.follow(12)
+        assert spin.spinning and tasks() == alone and spin.switches == 1
+        spin.follow(16)
+        assert spin.spinning and spin.switches == 1
+        spin.follow(3)
+        assert not spin.spinning and tasks() == alone + extra and spin.switches == 2
+    finally:
+        spin.close()
+    assert tasks() == alone

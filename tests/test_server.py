@@ -571,12 +571,13 @@ def test_a_port_in_use_fails_naming_it(server):
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200  # the first one serves on
 
 
-@pytest.mark.parametrize("spin", [False, True])
+@pytest.mark.parametrize("spin", [None, "off", "on", "auto"])
 def test_under_spin_the_models_load_on_the_thread_that_runs_the_engine_loop(monkeypatch, spin):
-    """With `--spin` every torch call of a server runs on one thread (not the event loop's): the
-    models load, the machine is measured and the loop steps on the engine thread, so the CPU's
-    OpenMP threads form one team. Without it the models load on the calling thread and the loop
-    runs on its own (two teams). The output is the reference's either way."""
+    """With `--spin` (on) or `--spin auto` every torch call of a server runs on one thread (not the
+    event loop's): the models load, the machine is measured and the loop steps on the engine
+    thread, so the CPU's OpenMP threads form one team; under auto the loop holds a threads.Spin.
+    Without it (off) the models load on the calling thread and the loop runs on its own (two
+    teams). The output is the reference's either way."""
     from batchspec import SamplingParams, cli
     from batchspec.core.sequence import Sequence
     from batchspec.engine.online import Request
@@ -586,7 +587,7 @@ def test_under_spin_the_models_load_on_the_thread_that_runs_the_engine_loop(monk
     threads = {"load": set(), "forward": set()}
     load = PairSpec.load
     monkeypatch.setattr(PairSpec, "load", lambda self: threads["load"].add(threading.get_ident()) or load(self))
-    argv = ["serve", "--pair", "tiny", "-k", "3"] + (["--spin"] if spin else [])
+    argv = ["serve", "--pair", "tiny", "-k", "3"] + {None: [], "on": ["--spin"]}.get(spin, ["--spin", str(spin)])
     config = cli.serve_config(cli.build_parser().parse_args(argv))
     service = server.build_service(config)
     service.engine.ctx.target.register_forward_pre_hook(lambda *_: threads["forward"].add(threading.get_ident()))
@@ -608,5 +609,7 @@ def test_under_spin_the_models_load_on_the_thread_that_runs_the_engine_loop(monk
         service.engine.shutdown()
     assert not service.engine.thread.is_alive()
     assert threads["forward"] == {service.engine.thread.ident} != {threading.get_ident()}
-    assert threads["load"] == ({service.engine.thread.ident} if spin else {threading.get_ident()})
+    one_team = spin in ("on", "auto")
+    assert threads["load"] == ({service.engine.thread.ident} if one_team else {threading.get_ident()})
+    assert (service.engine.spin is not None) == (spin == "auto")
     assert tokens == reference_tokens_64(prompt, 12)

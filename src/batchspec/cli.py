@@ -21,6 +21,7 @@ from .core.errors import BatchspecError
 from .core.stats import startup_text
 from .decoder import SpecDecoder
 from .distributed import tp
+from .engine.threads import SPIN_MODES, SPIN_ROWS
 from .models import invariant
 from .models.pair import DTYPES, PAIRS, PairSpec, target_config
 from .models.quant import QUANTS
@@ -280,10 +281,14 @@ def _serve_parser(sub) -> None:
     )
     g.add_argument(
         "--spin",
-        action="store_true",
-        help="let the CPU's OpenMP workers spin between products: faster on cores the server has to itself, "
-        "much slower beside another busy process (docs/serving.md, One OpenMP team or two). The output does not "
-        "depend on it",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=SPIN_MODES,
+        help="whether the CPU's OpenMP workers spin between products: off (default: they soon sleep), on (bare "
+        "--spin; faster on cores the server has to itself, much slower beside another busy process), auto (on "
+        f"while the batch holds at least {SPIN_ROWS} rows); docs/serving.md, One OpenMP team or two. The output "
+        "does not depend on it",
     )
     g.add_argument("--served-model-name", help="the model name clients use (default: the pair's name)")
     g.add_argument(

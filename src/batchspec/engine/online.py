@@ -1,8 +1,9 @@
 """The online engine: one thread owns the models and runs the engine loop (loop.py); requests
 enter a thread-safe inbox at any time and get their output through a callback.
 
-That thread is a threads.EngineThread, which under `serve --spin` also loads the models and
-measures the machine before the loop starts (threads.py says why it matters).
+That thread is a threads.EngineThread, which under `serve --spin on|auto` also loads the models
+and measures the machine before the loop starts; under auto the loop holds a `threads.Spin`
+(threads.py says why it matters).
 
 Each iteration takes new requests from the inbox, then `Loop.iterate` (drop cancelled rows, admit
 waiting requests into free rows of a ragged batch, one decode step). The output processor
@@ -34,7 +35,7 @@ from ..core.sequence import Sequence
 from ..layouts.ragged import RaggedBatch
 from .loop import Loop
 from .step import Context
-from .threads import EngineThread
+from .threads import EngineThread, Spin
 
 
 class QueueFull(BatchspecError):
@@ -115,8 +116,11 @@ class OnlineEngine:
         prefix_cache_tokens: int | None = None,
         arrival_window: float = ARRIVAL_WINDOW_S,
         worker: EngineThread | None = None,
+        spin_rows: int | None = None,
     ):
-        """`worker`: the thread to run the loop on (default: a new one)."""
+        """`worker`: the thread to run the loop on (default: a new one). `spin_rows`: let the
+        OpenMP workers spin only while the batch holds at least that many rows (threads.Spin;
+        None: leave them as they are)."""
         self.ctx, self.capacity, self.budget, self.decode = ctx, capacity, budget, decode
         self.max_queue, self.arrival_window = max_queue, arrival_window
         ctx.observe = self._observe
@@ -134,6 +138,8 @@ class OnlineEngine:
         self.beat = time.monotonic()  # when the engine thread last began an iteration
         self.worker = worker if worker is not None else EngineThread()
         self.thread = self.worker.thread
+        self.spin_rows = spin_rows
+        self.spin: Spin | None = None  # made by the loop (threads.Spin)
 
     def _new_batch(self) -> RaggedBatch:
         return RaggedBatch(
@@ -180,6 +186,14 @@ class OnlineEngine:
     # --- the engine thread --------------------------------------------------------------------
     def _main(self) -> None:
         torch.set_grad_enabled(False)
+        self.spin = Spin(self.spin_rows) if self.spin_rows is not None else None
+        try:
+            self._serve()
+        finally:
+            if self.spin is not None:
+                self.spin.close()
+
+    def _serve(self) -> None:
         with torch.inference_mode():
             last_work = trimmed = time.monotonic()
             while not self._stopped():
@@ -203,6 +217,8 @@ class OnlineEngine:
                 for seq in finished:
                     self._retire(seq)
                 self._update_gauges()
+                if self.spin is not None:
+                    self.spin.follow(len(self.loop.batch))
 
     def _beat(self) -> None:
         self.beat = time.monotonic()

@@ -9,8 +9,12 @@ barrier (one spinning, the other parked by the scheduler): beside the load gener
 the server lost half its throughput at 1 to 8 clients (docs/serving.md, "One OpenMP team or two").
 
 So by default a server loads its models on the main thread and runs the loop on an
-`EngineThread` of its own: two teams, throttled. With `serve --spin` the engine thread also loads
-the models and measures the machine (every torch call on one thread): one team, spinning.
+`EngineThread` of its own: two teams, throttled (`--spin off`). With `--spin on` the engine thread
+also loads the models and measures the machine (every torch call on one thread): one team,
+spinning. `--spin auto` is that one team, with a `Ballast` (a parked thread holding a second team,
+so that libgomp throttles) held while the batch has fewer than SPIN_ROWS rows: a step's smallest
+products have as many rows as the batch, and only small products lose by spinning beside a busy
+process (docs/serving.md, "The wait policies in isolation").
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+
+import torch
+
+#: `--spin` choices: off (two teams, throttled), on (one team, spinning), auto (one team, spinning
+#: while the batch holds at least SPIN_ROWS rows).
+SPIN_MODES = ("off", "on", "auto")
+SPIN_ROWS = 12
 
 
 class EngineThread:
@@ -53,3 +64,55 @@ class EngineThread:
                     done.set_result(fn(*args))
                 except BaseException as err:  # noqa: BLE001 - handed to the caller
                     done.set_exception(err)
+
+
+class Ballast:
+    """A parked thread that has run one OpenMP parallel region, so its team exists (and counts
+    towards libgomp's threads) while it is held; `release` ends the thread and its team with it."""
+
+    def __init__(self):
+        self._go, ready = threading.Event(), threading.Event()
+
+        def park() -> None:
+            torch.ones(1 << 18).add_(1)  # above ATen's grain size: a parallel region, so a team
+            ready.set()
+            self._go.wait()
+
+        self.thread = threading.Thread(target=park, name="batchspec-ballast", daemon=True)
+        self.thread.start()
+        ready.wait()
+
+    def release(self) -> None:
+        self._go.set()
+        self.thread.join()
+
+
+class Spin:
+    """Whether the engine thread's OpenMP workers spin, under `--spin auto`: a `Ballast` is held
+    while the batch has fewer than `rows` rows. `follow(rows)` after each iteration; `close` at the
+    end. (Under on and off the server does not make one.)"""
+
+    def __init__(self, rows: int = SPIN_ROWS):
+        self.rows = rows
+        self.ballast: Ballast | None = Ballast()  # an idle server does not spin
+        self.switches = 0  # times the ballast was taken or let go
+
+    @property
+    def spinning(self) -> bool:
+        return self.ballast is None
+
+    def follow(self, rows: int) -> None:
+        """Spin from here on iff `rows` (the batch's rows now) reaches the threshold."""
+        if (rows >= self.rows) == self.spinning:
+            return
+        if self.ballast is not None:
+            self.ballast.release()
+            self.ballast = None
+        else:
+            self.ballast = Ballast()
+        self.switches += 1
+
+    def close(self) -> None:
+        if self.ballast is not None:
+            self.ballast.release()
+            self.ballast = None

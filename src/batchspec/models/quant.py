@@ -42,7 +42,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scales[:, None].float()).round().clamp(-127, 127).to(torch.int8), scales
 
 
-def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [O, I] -> (packed int4 for the CPU kernel, scales and offsets [I / group, O, 2] bf16):
     within each group of `group` inputs, weight ~ (q - 8) * scale + offset with q in 0..15."""
     w = weight.detach().float()
@@ -73,8 +73,9 @@ class QuantLinear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.kind = "int4" if kind == "int4" and self.in_features % GROUP == 0 else "int8"
-        packed, scales = (quantize_int4 if self.kind == "int4" else quantize_int8)(weight)
+        self.group = GROUP  # int4's inputs per group, as quantized
+        self.kind = "int4" if kind == "int4" and self.in_features % self.group == 0 else "int8"
+        packed, scales = quantize_int4(weight, self.group) if self.kind == "int4" else quantize_int8(weight)
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone())
@@ -86,7 +87,7 @@ class QuantLinear(torch.nn.Module):
         elif rows.shape[0] > DENSE_ROWS:
             out = torch.nn.functional.linear(rows, self.dense())
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -96,7 +97,7 @@ class QuantLinear(torch.nn.Module):
         if self.kind == "int8":
             return self.packed.to(torch.bfloat16) * self.scales[:, None]
         eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales).T
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scales).T
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ..core import tree
 from ..core.config import EngineConfig
 from ..core.errors import BatchspecError
+from ..engine.threads import SPIN_MODES
 from ..models.pair import PairSpec
 from .access import Policy
 
@@ -29,7 +30,7 @@ class ServeConfig:
     port: int = 8000
     max_queue: int = 256
     arrival_window_ms: float = 50.0
-    spin: bool = False  # the OpenMP workers spin between products (threads.py)
+    spin: str = "off"  # whether the OpenMP workers spin between products: threads.SPIN_MODES
     served_model_name: str | None = None
     prefix_cache: bool = True
     prefix_cache_tokens: int | None = None
@@ -44,6 +45,8 @@ class ServeConfig:
             raise BatchspecError(f"--max-queue must be >= 0, got {self.max_queue}")
         if not 0 <= self.arrival_window_ms <= 1000:
             raise BatchspecError(f"--arrival-window-ms must be between 0 and 1000, got {self.arrival_window_ms:g}")
+        if self.spin not in SPIN_MODES:
+            raise BatchspecError(f"--spin must be one of {', '.join(SPIN_MODES)}, got {self.spin!r}")
         budget = self.engine.kv_budget_tokens
         if budget is not None and budget < self.slots + 2:
             raise BatchspecError(f"--kv-budget must leave room for a prompt token and {self.slots + 1} draft slots")

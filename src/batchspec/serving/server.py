@@ -39,7 +39,7 @@ from ..engine.lockstep import LockstepEngine
 from ..engine.online import Chunk, OnlineEngine, QueueFull, ShuttingDown
 from ..engine.online import Request as EngineRequest
 from ..engine.step import Context
-from ..engine.threads import EngineThread
+from ..engine.threads import SPIN_ROWS, EngineThread
 from ..models import invariant
 from ..policy.speculation import prepare
 from ..proposers.make import make_proposer
@@ -393,16 +393,16 @@ def run_cli(config: ServeConfig) -> int:
 
 def build_service(config: ServeConfig) -> Service:
     """The pair, the proposer and the online engine of a `ServeConfig`: made on this thread, or
-    under `config.spin` on the thread that will run the engine loop (every torch call on one
+    under `--spin on|auto` on the thread that will run the engine loop (every torch call on one
     thread: one OpenMP team; engine/threads.py)."""
     worker = EngineThread()
     return _on_loading_thread(config, worker, _build_service, config, worker)
 
 
 def _on_loading_thread(config: ServeConfig, worker: EngineThread, fn, *args):
-    """fn(*args) on the thread that loads the models: the engine's `worker` under `config.spin`,
+    """fn(*args) on the thread that loads the models: the engine's `worker` under `--spin on|auto`,
     else this one."""
-    return worker.call(fn, *args) if config.spin else fn(*args)
+    return worker.call(fn, *args) if config.spin != "off" else fn(*args)
 
 
 def _build_service(config: ServeConfig, worker: EngineThread) -> Service:
@@ -431,6 +431,7 @@ def _build_service(config: ServeConfig, worker: EngineThread) -> Service:
         prefix_tokens,
         config.arrival_window_ms / 1000,
         worker,
+        SPIN_ROWS if config.spin == "auto" else None,
     )
     service = Service(engine, pair, config.served_model_name or pair.name, lock)
     service.policy = config.access
