@@ -9,7 +9,7 @@
 #
 # Servers: transformers (the peer), batchspec (its defaults), nospec (batchspec --no-spec), nocache
 #   (batchspec --no-prefix-cache), nowindow (batchspec --arrival-window-ms 0), spin (batchspec --spin),
-#   spinauto (batchspec --spin auto),
+#   spinoff (batchspec --spin off),
 #   and offline: not a server but `batchspec bench --methods ragged` at B = BATCH_SIZE on the same
 #   Spec-Bench prompts (run at C = BATCH_SIZE only), the engine the server should keep up with.
 # Workloads: specbench (16 Spec-Bench chat prompts, every 30th: real text, where lookup and the draft
@@ -79,8 +79,8 @@ start() {  # start server $1 on port $2, logging to $3; prints its pid
                 --arrival-window-ms 0 --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
     spin) HF_HUB_OFFLINE=1 "$bin/batchspec" serve --pair default --dtype float32 --batch-size "$batch" --spin \
             --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
-    spinauto) HF_HUB_OFFLINE=1 "$bin/batchspec" serve --pair default --dtype float32 --batch-size "$batch" \
-                --spin auto --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
+    spinoff) HF_HUB_OFFLINE=1 "$bin/batchspec" serve --pair default --dtype float32 --batch-size "$batch" \
+               --spin off --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
     *) echo "unknown server $1" >&2; exit 2 ;;
   esac
   echo $!

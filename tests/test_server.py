@@ -573,11 +573,11 @@ def test_a_port_in_use_fails_naming_it(server):
 
 @pytest.mark.parametrize("spin", [None, "off", "on", "auto"])
 def test_under_spin_the_models_load_on_the_thread_that_runs_the_engine_loop(monkeypatch, spin):
-    """With `--spin` (on) or `--spin auto` every torch call of a server runs on one thread (not the
-    event loop's): the models load, the machine is measured and the loop steps on the engine
-    thread, so the CPU's OpenMP threads form one team; under auto the loop holds a threads.Spin.
-    Without it (off) the models load on the calling thread and the loop runs on its own (two
-    teams). The output is the reference's either way."""
+    """With `--spin auto` (the default) or `--spin` (on) every torch call of a server runs on one
+    thread (not the event loop's): the models load, the machine is measured and the loop steps on
+    the engine thread, so the CPU's OpenMP threads form one team; under auto the loop holds a
+    threads.Spin. With `--spin off` the models load on the calling thread and the loop runs on its
+    own (two teams). The output is the reference's either way."""
     from batchspec import SamplingParams, cli
     from batchspec.core.sequence import Sequence
     from batchspec.engine.online import Request
@@ -609,7 +609,7 @@ def test_under_spin_the_models_load_on_the_thread_that_runs_the_engine_loop(monk
         service.engine.shutdown()
     assert not service.engine.thread.is_alive()
     assert threads["forward"] == {service.engine.thread.ident} != {threading.get_ident()}
-    one_team = spin in ("on", "auto")
+    one_team = spin != "off"  # auto by default
     assert threads["load"] == ({service.engine.thread.ident} if one_team else {threading.get_ident()})
-    assert (service.engine.spin is not None) == (spin == "auto")
+    assert (service.engine.spin is not None) == (spin in (None, "auto"))
     assert tokens == reference_tokens_64(prompt, 12)

@@ -283,12 +283,12 @@ def _serve_parser(sub) -> None:
         "--spin",
         nargs="?",
         const="on",
-        default="off",
+        default="auto",
         choices=SPIN_MODES,
-        help="whether the CPU's OpenMP workers spin between products: off (default: they soon sleep), on (bare "
-        "--spin; faster on cores the server has to itself, much slower beside another busy process), auto (on "
-        f"while the batch holds at least {SPIN_ROWS} rows); docs/serving.md, One OpenMP team or two. The output "
-        "does not depend on it",
+        help=f"whether the CPU's OpenMP workers spin between products: auto (default: while the batch holds at "
+        f"least {SPIN_ROWS} rows), on (bare --spin; faster on cores the server has to itself, much slower beside "
+        "another busy process at small batches), off (they soon sleep: two OpenMP teams); docs/serving.md, One "
+        "OpenMP team or two. The output does not depend on it",
     )
     g.add_argument("--served-model-name", help="the model name clients use (default: the pair's name)")
     g.add_argument(

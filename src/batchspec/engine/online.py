@@ -1,9 +1,9 @@
 """The online engine: one thread owns the models and runs the engine loop (loop.py); requests
 enter a thread-safe inbox at any time and get their output through a callback.
 
-That thread is a threads.EngineThread, which under `serve --spin on|auto` also loads the models
-and measures the machine before the loop starts; under auto the loop holds a `threads.Spin`
-(threads.py says why it matters).
+That thread is a threads.EngineThread, which (unless `serve --spin off`) also loads the models
+and measures the machine before the loop starts; under `--spin auto`, the default, the loop holds
+a `threads.Spin` (threads.py says why it matters).
 
 Each iteration takes new requests from the inbox, then `Loop.iterate` (drop cancelled rows, admit
 waiting requests into free rows of a ragged batch, one decode step). The output processor

@@ -30,7 +30,7 @@ class ServeConfig:
     port: int = 8000
     max_queue: int = 256
     arrival_window_ms: float = 50.0
-    spin: str = "off"  # whether the OpenMP workers spin between products: threads.SPIN_MODES
+    spin: str = "auto"  # whether the OpenMP workers spin between products: threads.SPIN_MODES
     served_model_name: str | None = None
     prefix_cache: bool = True
     prefix_cache_tokens: int | None = None
