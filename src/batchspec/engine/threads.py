@@ -14,8 +14,9 @@ call on one thread): one team, spinning. `--spin auto` (the default) is that one
 has fewer than SPIN_ROWS rows: a step's smallest products have as many rows as the batch, and
 only small products lose by spinning beside a busy process (docs/serving.md, "The wait policies
 in isolation"); at 16 clients beside the load generator it made 0.82-0.93x of the offline
-engine's speed (five rounds, median 0.87x) against 0.81x with two teams. With `--spin off` a server loads its models on the main
-thread and runs the loop on an `EngineThread` of its own: two teams, always throttled.
+engine's speed (five rounds, median 0.87x) against 0.81x with two teams. With `--spin off` a
+server loads its models on the main thread and runs the loop on an `EngineThread` of its own: two
+teams, always throttled.
 """
 
 from __future__ import annotations

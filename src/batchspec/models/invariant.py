@@ -10,8 +10,10 @@ is made independent of the batch, by construction:
 - **Linear layers and the LM head** take oneDNN's matmul over a packed weight for every row count,
   one row padded to LINEAR_MIN_ROWS (`linear_form`, linears.FormTable.fixed): from 2 rows on its
   per-row result does not depend on M (measured for M = 2 .. 2,100, K up to 8,192, float32 and
-  bfloat16); one row takes a matrix-vector path that differs once K >= 1,536. `F.linear` differs
-  more (float32 at every M < 4, bfloat16 at K = 1,536).
+  bfloat16, on an AMD EPYC); one row takes a matrix-vector path that differs once K >= 1,536.
+  `F.linear` differs more (float32 at every M < 4, bfloat16 at K = 1,536). On CPUs with AMX,
+  bfloat16 rows above 32 take tiles that reduce in another order, so 16-bit products go in blocks
+  of at most LINEAR_MAX_ROWS rows.
 - **Attention** (`attention`) reduces each query over its keys in *canonical order*: the keys it
   attends, numbered 0, 1, 2, .. by absolute position (padding, holes and a tree's other branches
   removed; a `Plan` per forward says where each rank is). Scores come from one batched matmul per
@@ -58,6 +60,11 @@ MIN_ROWS = 4
 QUERY_GROUP = 64
 #: Fewest rows the mode's linear layers multiply (padded with zeros): one row takes another path.
 LINEAR_MIN_ROWS = 4
+#: Most rows the mode's linear layers multiply at once in bfloat16 and float16 (more go in blocks):
+#: on CPUs with AMX (Intel Xeon from Sapphire Rapids on) oneDNN multiplies more rows in tiles that
+#: reduce in another order (a [1536 -> 576] bfloat16 weight: row 0 of 33 differs from row 0 alone,
+#: while every count up to 32 agrees; tests/test_invariant.py).
+LINEAR_MAX_ROWS = 32
 
 
 #: Why the mode refuses tensor parallelism (here, and in the command line before ranks start).
@@ -122,10 +129,13 @@ def uninstall(model: torch.nn.Module) -> torch.nn.Module:
 
 def linear_form(table: FormTable):
     """The mode's linear formulation: x [M, I], weight [O, I], bias -> [M, O] by `table`'s oneDNN
-    matmul, M padded to at least LINEAR_MIN_ROWS."""
+    matmul, M padded to at least LINEAR_MIN_ROWS; in 16-bit types, in blocks of at most
+    LINEAR_MAX_ROWS rows."""
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
+        if rows > LINEAR_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+            return torch.cat([linear(block, weight, bias) for block in x.split(LINEAR_MAX_ROWS)])
         padded = _rows(x, LINEAR_MIN_ROWS)
         out = table.onednn(padded, weight, bias)
         return out if padded is x else out[:rows]
