@@ -139,3 +139,16 @@ def test_arrival_window_out_of_range(ms):
 
     with pytest.raises(BatchspecError, match=f"--arrival-window-ms must be between 0 and 1000, got {ms}"):
         ServeConfig(arrival_window_ms=ms)
+
+
+def test_an_unknown_spin_mode_is_refused_by_the_cli_and_the_config(capsys):
+    from batchspec.cli import build_parser
+    from batchspec.serving.config import ServeConfig
+
+    with pytest.raises(BatchspecError, match="--spin must be one of off, on, auto, got 'fast'"):
+        ServeConfig(spin="fast")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--spin", "fast"])
+    assert "invalid choice: 'fast'" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "--spin"]).spin == "on"  # bare: always spin
+    assert build_parser().parse_args(["serve"]).spin == "auto"
