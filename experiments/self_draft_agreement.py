@@ -68,7 +68,9 @@ def main() -> None:
     layers = list(pair.draft.model.layers)
     result = {}
     sets = layer_sets(len(layers))
-    for name, keep in {"all": sets["all"]}.items() if args.all_layers_only else sets.items():
+    if args.all_layers_only:
+        sets = {"all": sets["all"]}
+    for name, keep in sets.items():
         pair.draft.model.layers = torch.nn.ModuleList([layers[i] for i in keep])
         agree = total = 0
         for start, out in runs:

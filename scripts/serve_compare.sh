@@ -65,22 +65,23 @@ EOF
 
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
+batchspec_serve() {  # port log [options]: `batchspec serve` on the default pair at B = BATCH_SIZE, in the background
+  local port=$1 log=$2
+  shift 2
+  HF_HUB_OFFLINE=1 "$bin/batchspec" serve --pair default --dtype float32 --batch-size "$batch" "$@" \
+    --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
+}
+
 start() {  # start server $1 on port $2, logging to $3; prints its pid
   case $1 in
     transformers) HF_HUB_OFFLINE=1 "$bin/transformers" serve "$weights" --continuous-batching --device cpu \
                     --dtype float32 --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
-    batchspec) HF_HUB_OFFLINE=1 "$bin/batchspec" serve --pair default --dtype float32 --batch-size "$batch" \
-                 --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
-    nospec) HF_HUB_OFFLINE=1 "$bin/batchspec" serve --pair default --dtype float32 --batch-size "$batch" --no-spec \
-              --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
-    nocache) HF_HUB_OFFLINE=1 "$bin/batchspec" serve --pair default --dtype float32 --batch-size "$batch" \
-               --no-prefix-cache --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
-    nowindow) HF_HUB_OFFLINE=1 "$bin/batchspec" serve --pair default --dtype float32 --batch-size "$batch" \
-                --arrival-window-ms 0 --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
-    spin) HF_HUB_OFFLINE=1 "$bin/batchspec" serve --pair default --dtype float32 --batch-size "$batch" --spin \
-            --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
-    spinoff) HF_HUB_OFFLINE=1 "$bin/batchspec" serve --pair default --dtype float32 --batch-size "$batch" \
-               --spin off --host 127.0.0.1 --port "$2" >"$3" 2>&1 & ;;
+    batchspec) batchspec_serve "$2" "$3" ;;
+    nospec) batchspec_serve "$2" "$3" --no-spec ;;
+    nocache) batchspec_serve "$2" "$3" --no-prefix-cache ;;
+    nowindow) batchspec_serve "$2" "$3" --arrival-window-ms 0 ;;
+    spin) batchspec_serve "$2" "$3" --spin ;;
+    spinoff) batchspec_serve "$2" "$3" --spin off ;;
     *) echo "unknown server $1" >&2; exit 2 ;;
   esac
   echo $!
