@@ -318,6 +318,55 @@ def test_spin_auto_holds_a_second_openmp_team_while_the_batch_is_small():
         assert spin.spinning and spin.switches == 1
         spin.follow(3)
         assert not spin.spinning and tasks() == alone + extra and spin.switches == 2
+        spin.follow(3, prefill=True)  # a prefill forward's products are large at any batch size
+        assert spin.spinning and tasks() == alone and spin.switches == 3
+        spin.follow(3)
+        assert not spin.spinning and spin.switches == 4
     finally:
         spin.close()
     assert tasks() == alone
+
+
+def test_spin_auto_spins_through_prefill_forwards_and_throttles_small_decode_steps(tiny64, monkeypatch):
+    """Under --spin auto with a small batch, every prefill forward runs with the workers spinning
+    (its products have a row per prompt token), and a decode step spins only in an iteration that
+    also prefilled; the output equals the reference."""
+    from batchspec.engine import loop as loop_module
+
+    engine = OnlineEngine(_context(tiny64), 4, 256, _byte_decode, spin_rows=12)
+    prefills, steps = [], []  # whether the workers spun: at each prefill forward, at each decode step
+    engine.loop.admission.progress = lambda: (prefills.append(engine.spin.spinning), engine._beat())
+    real_step = loop_module.decode_step
+
+    def step(ctx, batch):
+        steps.append((engine.spin.spinning, len(prefills)))
+        return real_step(ctx, batch)
+
+    monkeypatch.setattr(loop_module, "decode_step", step)
+    prompts = random_prompts(77, 3, 3, 12)
+    results = {i: [] for i in range(3)}
+    finished = {i: threading.Event() for i in range(3)}
+
+    def sink(i):
+        def emit(chunk: Chunk):
+            results[i].append(chunk)
+            if chunk.finish_reason:
+                finished[i].set()
+
+        return emit
+
+    engine.start()
+    try:
+        for i in range(3):
+            engine.submit(Request(_seq(tiny64, prompts[i], SamplingParams(max_new_tokens=24)), sink(i)))
+            time.sleep(0.3)  # three arrivals, three admissions
+        assert all(finished[i].wait(60) for i in range(3))
+    finally:
+        engine.shutdown()
+    assert len(prefills) >= 3 and all(prefills)
+    after_prefill = [i for i, (_, n) in enumerate(steps) if i == 0 or n > steps[i - 1][1]]
+    assert all(spun == (i in after_prefill) for i, (spun, _) in enumerate(steps))
+    assert len(steps) > len(after_prefill)  # some steps ran throttled
+    for i in range(3):
+        tokens = [t for c in results[i] for t in c.token_ids]
+        assert tokens == reference_tokens(tiny64, [prompts[i]], 24)[0]

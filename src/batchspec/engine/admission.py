@@ -114,6 +114,11 @@ class Admission:
     def busy(self) -> bool:
         return bool(self.waiting) or self.partial is not None
 
+    def will_prefill(self, batch) -> bool:
+        """Whether `admit(batch)` would run a prefill forward now (a prompt being fed, or a
+        waiting one that fits)."""
+        return self.partial is not None or (bool(self.waiting) and batch.fits(self.waiting[0]))
+
     def sequences(self) -> list[Sequence]:
         """Waiting sequences and the one being prefilled."""
         return list(self.waiting) + (self.partial.seqs if self.partial is not None else [])

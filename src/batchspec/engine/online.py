@@ -208,6 +208,8 @@ class OnlineEngine:
                     self.ctx.speculation.idle(stop=self._arrived)  # slow upkeep in a lull
                     self.beat = last_work = time.monotonic()
                 self._take_inbox(block=not self.loop.busy)
+                if self.spin is not None:  # a prefill forward's products are large: spin through it
+                    self.spin.follow(len(self.loop.batch), self.loop.admission.will_prefill(self.loop.batch))
                 try:
                     finished = self.loop.iterate()
                 except Exception as err:  # noqa: BLE001 - a batched step failed: fail its rows, keep serving
