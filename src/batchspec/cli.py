@@ -21,7 +21,7 @@ from .core.errors import BatchspecError
 from .core.stats import startup_text
 from .decoder import SpecDecoder
 from .distributed import tp
-from .engine.threads import SPIN_MODES, SPIN_ROWS
+from .engine.threads import BUSY_CORES, SPIN_MODES, SPIN_ROWS
 from .models import invariant
 from .models.pair import DTYPES, PAIRS, PairSpec, target_config
 from .models.quant import QUANTS
@@ -285,8 +285,9 @@ def _serve_parser(sub) -> None:
         const="on",
         default="auto",
         choices=SPIN_MODES,
-        help=f"whether the CPU's OpenMP workers spin between products: auto (default: while the batch holds at "
-        f"least {SPIN_ROWS} rows), on (bare --spin; faster on cores the server has to itself, much slower beside "
+        help=f"whether the CPU's OpenMP workers spin between products: auto (default: while no other process "
+        f"keeps {BUSY_CORES} of a core busy, and beside one while the batch holds at least {SPIN_ROWS} rows and "
+        "nothing is being prefilled), on (bare --spin; faster on cores the server has to itself, much slower beside "
         "another busy process at small batches), off (they soon sleep: two OpenMP teams); docs/serving.md, One "
         "OpenMP team or two. The output does not depend on it",
     )

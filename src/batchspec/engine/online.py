@@ -119,8 +119,9 @@ class OnlineEngine:
         spin_rows: int | None = None,
     ):
         """`worker`: the thread to run the loop on (default: a new one). `spin_rows`: let the
-        OpenMP workers spin only while the batch holds at least that many rows (threads.Spin;
-        None: leave them as they are)."""
+        OpenMP workers spin while no other process is busy, and beside one while the batch holds
+        at least that many rows and the iteration prefills nothing (threads.Spin; None: leave
+        them as they are)."""
         self.ctx, self.capacity, self.budget, self.decode = ctx, capacity, budget, decode
         self.max_queue, self.arrival_window = max_queue, arrival_window
         ctx.observe = self._observe
@@ -208,7 +209,7 @@ class OnlineEngine:
                     self.ctx.speculation.idle(stop=self._arrived)  # slow upkeep in a lull
                     self.beat = last_work = time.monotonic()
                 self._take_inbox(block=not self.loop.busy)
-                if self.spin is not None:  # a prefill forward's products are large: spin through it
+                if self.spin is not None:
                     self.spin.follow(len(self.loop.batch), self.loop.admission.will_prefill(self.loop.batch))
                 try:
                     finished = self.loop.iterate()
@@ -219,8 +220,6 @@ class OnlineEngine:
                 for seq in finished:
                     self._retire(seq)
                 self._update_gauges()
-                if self.spin is not None:
-                    self.spin.follow(len(self.loop.batch))
 
     def _beat(self) -> None:
         self.beat = time.monotonic()

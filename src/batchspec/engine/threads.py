@@ -10,30 +10,40 @@ the server lost half its throughput at 1 to 8 clients (docs/serving.md, "One Ope
 
 With `--spin on` the engine thread also loads the models and measures the machine (every torch
 call on one thread): one team, spinning. `--spin auto` (the default) is that one team, with a
-`Ballast` (a parked thread holding a second team, so that libgomp throttles) held while the batch
-has fewer than SPIN_ROWS rows and the iteration runs no prefill forward: a step's smallest products
-have as many rows as the batch, a prefill's as many as its prompt tokens, and only small products
-lose by spinning beside a busy process (docs/serving.md, "The wait policies in isolation"). An
-idle server that throttled through the prefill of a wave of 16 prompts took 4.4-4.6 s over it
-against 3.5 s spinning; spinning through it, the server at 16 clients made 1.00x the offline
-engine's speed (docs/serving.md, "Spinning through prefill"). With `--spin off` a
-server loads its models on the main thread and runs the loop on an `EngineThread` of its own: two
-teams, always throttled.
+`Ballast` (a parked thread holding a second team, so that libgomp throttles) held only while the
+machine is shared (another process keeps BUSY_CORES busy, measured every CHECK_S by a watchdog
+that takes the ballast at once, mid-iteration) and the iteration's products are small: a decode
+step's have as many rows as the batch, and beside a busy process spinning pays from SPIN_ROWS rows
+up; a prefill forward, though large, collapsed beside one (a 1.8 s first token at 4 clients,
+against 0.44 s throttled). On a machine the server has to itself the workers always spin: a wave of
+16 prompts was prefilled in 3.5 s against 4.4-4.6 s throttled, and the server at 16 clients made
+1.00x the offline engine's speed (docs/serving.md, "Spinning while no one else computes"). With
+`--spin off` a server loads its models on the main thread and runs the loop on an `EngineThread`
+of its own: two teams, always throttled.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+import psutil
 import torch
 
 #: `--spin` choices: off (two teams, throttled), on (one team, spinning), auto (one team, spinning
 #: while the batch holds at least SPIN_ROWS rows).
 SPIN_MODES = ("off", "on", "auto")
 SPIN_ROWS = 12
+#: Cores other processes keep busy from which the machine counts as shared (a load client that
+#: busy-waits takes ~0.9 of a core; one waiting for its answers, under 0.01).
+BUSY_CORES = 0.25
+#: Seconds between measurements of the other processes' load (each over the time since the last).
+CHECK_S = 0.2
+#: Seconds the machine must have been quiet since it was last shared before the workers spin again.
+QUIET_S = 1.0
 
 
 class EngineThread:
@@ -91,24 +101,85 @@ class Ballast:
         self.thread.join()
 
 
-class Spin:
-    """Whether the engine thread's OpenMP workers spin, under `--spin auto`: a `Ballast` is held
-    while the batch has fewer than `rows` rows. `follow(rows)` after each iteration; `close` at the
-    end. (Under on and off the server does not make one.)"""
+class OtherLoad:
+    """Cores that processes other than this one kept busy since the last call (psutil: the
+    machine's busy CPU time, steal included, less this process's)."""
 
-    def __init__(self, rows: int = SPIN_ROWS):
-        self.rows = rows
-        self.ballast: Ballast | None = Ballast()  # an idle server does not spin
+    def __init__(self):
+        self.process = psutil.Process()
+        self.last = self._sample()
+
+    def _sample(self) -> tuple[float, float, float]:
+        """(monotonic seconds, the machine's busy CPU seconds, this process's CPU seconds)."""
+        t = psutil.cpu_times()
+        busy = t.user + t.nice + t.system
+        busy += getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+        own = self.process.cpu_times()
+        return time.monotonic(), busy, own.user + own.system
+
+    def __call__(self) -> float:
+        now, last = self._sample(), self.last
+        self.last = now
+        return max(0.0, (now[1] - last[1]) - (now[2] - last[2])) / max(now[0] - last[0], 1e-3)
+
+
+class Spin:
+    """Whether the engine thread's OpenMP workers spin, under `--spin auto`. A watchdog thread
+    measures the other processes' load (`load()`, every `check_s`); the machine is shared while it
+    is at least BUSY_CORES, and until it has been under that for QUIET_S. A `Ballast` is held
+    while the machine is shared and the batch has fewer than `rows` rows or the iteration runs a
+    prefill forward. `follow(rows, prefill)` before each iteration; the watchdog takes the
+    ballast at once, mid-iteration, when the machine turns shared while the workers spin for a
+    quiet machine's sake; `close` at the end. (Under on and off the server does not make one.)"""
+
+    def __init__(self, rows: int = SPIN_ROWS, load: Callable[[], float] | None = None, check_s: float = CHECK_S):
+        self.rows, self.check_s = rows, check_s
+        self.load = load if load is not None else OtherLoad()
+        self.lock = threading.Lock()  # the ballast and `large` (engine thread and watchdog)
+        self.ballast: Ballast | None = Ballast()  # nothing measured yet: throttled
+        self.large = False  # the last `follow` had large products (spinning whatever the load)
+        self.measured = False  # the watchdog has measured the load once (before: shared)
+        self.shared_at: float | None = None  # when the load was last at BUSY_CORES (None: never)
         self.switches = 0  # times the ballast was taken or let go
+        self._closed = threading.Event()
+        self.watchdog = threading.Thread(target=self._watch, name="batchspec-spin", daemon=True)
+        self.watchdog.start()
 
     @property
     def spinning(self) -> bool:
         return self.ballast is None
 
+    @property
+    def shared(self) -> bool:
+        """Another process is busy, or was less than QUIET_S ago (or nothing is measured yet)."""
+        at = self.shared_at
+        return not self.measured or (at is not None and time.monotonic() - at < QUIET_S)
+
     def follow(self, rows: int, prefill: bool = False) -> None:
-        """Spin from here on iff `rows` (the batch's rows now) reaches the threshold, or the next
-        iteration runs a `prefill` forward (its products have a row per prompt token)."""
-        if (rows >= self.rows or prefill) == self.spinning:
+        """Spin from here on iff the machine is not shared, or the batch's `rows` reach the
+        threshold and the coming iteration runs no `prefill` forward."""
+        with self.lock:
+            self.large = rows >= self.rows and not prefill
+            self._set(self.large or not self.shared)
+
+    def close(self) -> None:
+        self._closed.set()
+        self.watchdog.join()
+        with self.lock:
+            self._set(True)
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self.check_s):
+            if self.load() >= BUSY_CORES:
+                self.shared_at = time.monotonic()
+                with self.lock:
+                    if not self.large:
+                        self._set(False)
+            self.measured = True
+
+    def _set(self, spin: bool) -> None:
+        """Take or let go of the ballast (under `lock`)."""
+        if spin == self.spinning:
             return
         if self.ballast is not None:
             self.ballast.release()
@@ -116,8 +187,3 @@ class Spin:
         else:
             self.ballast = Ballast()
         self.switches += 1
-
-    def close(self) -> None:
-        if self.ballast is not None:
-            self.ballast.release()
-            self.ballast = None
