@@ -12,7 +12,7 @@ With `--spin on` the engine thread also loads the models and measures the machin
 call on one thread): one team, spinning. `--spin auto` (the default) is that one team, with a
 `Ballast` (a parked thread holding a second team, so that libgomp throttles) held only while the
 machine is shared (another process keeps BUSY_CORES busy, measured every CHECK_S by a watchdog
-that takes the ballast at once, mid-iteration) and the iteration's products are small: a decode
+that applies the rule at once, mid-iteration too) and the iteration's products are small: a decode
 step's have as many rows as the batch, and beside a busy process spinning pays from SPIN_ROWS rows
 up; a prefill forward, though large, collapsed beside one (a 1.8 s first token at 4 clients,
 against 0.44 s throttled). On a machine the server has to itself the workers always spin: a wave of
@@ -128,9 +128,10 @@ class Spin:
     measures the other processes' load (`load()`, every `check_s`); the machine is shared while it
     is at least BUSY_CORES, and until it has been under that for QUIET_S. A `Ballast` is held
     while the machine is shared and the batch has fewer than `rows` rows or the iteration runs a
-    prefill forward. `follow(rows, prefill)` before each iteration; the watchdog takes the
-    ballast at once, mid-iteration, when the machine turns shared while the workers spin for a
-    quiet machine's sake; `close` at the end. (Under on and off the server does not make one.)"""
+    prefill forward. `follow(rows, prefill)` before each iteration; the watchdog applies the same
+    rule after each measurement, mid-iteration too (a wave's prefill lasts seconds): it takes the
+    ballast as the machine turns shared and lets it go after QUIET_S of quiet; `close` at the end.
+    (Under on and off the server does not make one.)"""
 
     def __init__(self, rows: int = SPIN_ROWS, load: Callable[[], float] | None = None, check_s: float = CHECK_S):
         self.rows, self.check_s = rows, check_s
@@ -172,10 +173,9 @@ class Spin:
         while not self._closed.wait(self.check_s):
             if self.load() >= BUSY_CORES:
                 self.shared_at = time.monotonic()
-                with self.lock:
-                    if not self.large:
-                        self._set(False)
             self.measured = True
+            with self.lock:
+                self._set(self.large or not self.shared)
 
     def _set(self, spin: bool) -> None:
         """Take or let go of the ballast (under `lock`)."""
