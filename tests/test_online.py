@@ -156,6 +156,22 @@ def test_a_failing_request_fails_alone(tiny64):
     assert not engine.thread.is_alive()
 
 
+def _sinks(n: int):
+    """Per request i < n: the chunks it got, an event set by its last one, and `sink(i)`, its emit."""
+    results = {i: [] for i in range(n)}
+    finished = {i: threading.Event() for i in range(n)}
+
+    def sink(i):
+        def emit(chunk: Chunk):
+            results[i].append(chunk)
+            if chunk.finish_reason:
+                finished[i].set()
+
+        return emit
+
+    return results, finished, sink
+
+
 def test_a_failed_step_fails_its_rows_and_the_rebuilt_batch_serves_on(tiny64, monkeypatch):
     """A fault injected into the third decode step: the two running rows end with "error", the
     request still waiting keeps its place, the batch is rebuilt with empty caches, and what runs
@@ -175,17 +191,7 @@ def test_a_failed_step_fails_its_rows_and_the_rebuilt_batch_serves_on(tiny64, mo
     ctx = _context(tiny64)
     engine = OnlineEngine(ctx, 2, 256, _byte_decode)  # started once the first three are queued
     prompts = random_prompts(74, 4, 3, 12)
-    results = {i: [] for i in range(4)}
-    finished = {i: threading.Event() for i in range(4)}
-
-    def sink(i):
-        def emit(chunk: Chunk):
-            results[i].append(chunk)
-            if chunk.finish_reason:
-                finished[i].set()
-
-        return emit
-
+    results, finished, sink = _sinks(4)
     try:
         for i in range(3):
             engine.submit(Request(_seq(tiny64, prompts[i], SamplingParams(max_new_tokens=30)), sink(i)))
@@ -398,17 +404,7 @@ def test_spin_auto_in_the_engine_follows_the_iterations_products(tiny64, monkeyp
 
     monkeypatch.setattr(loop_module, "decode_step", step)
     prompts = random_prompts(77, 3, 3, 12)
-    results = {i: [] for i in range(3)}
-    finished = {i: threading.Event() for i in range(3)}
-
-    def sink(i):
-        def emit(chunk: Chunk):
-            results[i].append(chunk)
-            if chunk.finish_reason:
-                finished[i].set()
-
-        return emit
-
+    results, finished, sink = _sinks(3)
     engine.start()
     time.sleep(0.3)  # the load is measured
     try:
