@@ -299,6 +299,14 @@ def test_the_engine_thread_runs_calls_in_order_and_hands_back_errors():
     assert seen == [worker.thread.ident] * 2 and threading.get_ident() not in seen
 
 
+def _eventually(condition, timeout: float = 5.0) -> bool:
+    """Whether `condition()` holds within `timeout` seconds (polled; for the watchdog's own moves)."""
+    end = time.monotonic() + timeout
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.01)
+    return condition()
+
+
 def _tasks() -> int:
     """This process's threads, a moment after a change (a released team's workers take it to exit)."""
     import os
@@ -323,7 +331,7 @@ def test_spin_auto_beside_a_busy_process_holds_a_second_openmp_team_while_produc
         spin.follow(11)
         assert not spin.spinning and spin.switches == 0
         spin.follow(12)
-        time.sleep(0.1)  # the watchdog measures a busy machine meanwhile
+        assert _eventually(lambda: spin.measured)  # the watchdog has measured a busy machine
         assert spin.shared and spin.spinning and _tasks() == alone and spin.switches == 1
         spin.follow(16)
         assert spin.spinning and spin.switches == 1
@@ -345,20 +353,18 @@ def test_spin_auto_on_a_machine_of_its_own_spins_until_another_process_is_busy()
     load = {"cores": 0.0}
     spin = threads.Spin(rows=12, load=lambda: load["cores"], check_s=0.02)
     try:
-        time.sleep(0.1)
+        assert _eventually(lambda: spin.measured)
         for rows, prefill in [(0, False), (1, False), (3, True), (16, True)]:
             spin.follow(rows, prefill)
             assert spin.spinning
         assert spin.switches == 1
         load["cores"] = threads.BUSY_CORES
-        time.sleep(0.1)
-        assert not spin.spinning and spin.switches == 2
+        assert _eventually(lambda: not spin.spinning) and spin.switches == 2
         load["cores"] = 0.0
         time.sleep(0.1)
         spin.follow(3)
         assert not spin.spinning  # quiet for less than QUIET_S
-        time.sleep(threads.QUIET_S)
-        assert spin.spinning and spin.switches == 3  # the watchdog lets the ballast go by itself
+        assert _eventually(lambda: spin.spinning) and spin.switches == 3  # the watchdog lets it go by itself
         spin.follow(3)
         assert spin.spinning and spin.switches == 3
     finally:

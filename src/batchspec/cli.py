@@ -288,8 +288,8 @@ def _serve_parser(sub) -> None:
         help=f"whether the CPU's OpenMP workers spin between products: auto (default: while no other process "
         f"keeps {BUSY_CORES} of a core busy, and beside one while the batch holds at least {SPIN_ROWS} rows and "
         "nothing is being prefilled), on (bare --spin; faster on cores the server has to itself, much slower beside "
-        "another busy process at small batches), off (they soon sleep: two OpenMP teams); docs/serving.md, One "
-        "OpenMP team or two. The output does not depend on it",
+        "another busy process at small batches), off (they soon sleep: two OpenMP teams); docs/serving.md, "
+        "Spinning while no one else computes. The output does not depend on it",
     )
     g.add_argument("--served-model-name", help="the model name clients use (default: the pair's name)")
     g.add_argument(

@@ -34,7 +34,7 @@ import psutil
 import torch
 
 #: `--spin` choices: off (two teams, throttled), on (one team, spinning), auto (one team, spinning
-#: while the batch holds at least SPIN_ROWS rows).
+#: unless another process is busy and the iteration's products are small: `Spin`).
 SPIN_MODES = ("off", "on", "auto")
 SPIN_ROWS = 12
 #: Cores other processes keep busy from which the machine counts as shared (a load client that
