@@ -32,6 +32,10 @@ _CACHE = tempfile.mkdtemp(prefix="batchspec-test-cache-")
 os.environ["BATCHSPEC_CACHE"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
+# The default pair's target runs eager in the suite (a compile costs it ~20-45 s a process);
+# tests/test_compiled.py compiles tiny models and says so explicitly.
+os.environ["BATCHSPEC_COMPILE"] = "off"
+
 settings.register_profile(
     "ci", max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -84,6 +84,14 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        default=None,
+        help="run the target's decoder eager, op by op (default: one compiled graph where the model's layers "
+        "allow it; the built-in tiny pairs run eager)",
+    )
+    g.add_argument(
         "--tp",
         type=int,
         default=1,
@@ -485,6 +493,7 @@ def pair_spec(args) -> PairSpec:
         args.draft_dtype,
         args.draft_quant,
         args.draft_vocab,
+        args.compile,
     )
 
 

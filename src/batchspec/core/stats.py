@@ -114,4 +114,8 @@ def startup_text(startup: dict) -> str:
         parts.append(f"load {startup['load_s']:.1f}s ({startup.get('weights', 'read')})")
     if "tuning_s" in startup:
         parts.append(f"tuning {startup['tuning_s']:.1f}s ({startup.get('tuning', 'none')})")
+    if "compile_s" in startup:
+        parts.append(f"compile {startup['compile_s']:.1f}s")
+    elif "forward" in startup:
+        parts.append(f"forward {startup['forward']}")
     return " | start: " + ", ".join(parts) if parts else ""

@@ -23,16 +23,19 @@ def decoder_features(target, aux_layers: tuple[int, ...] = (), **inputs) -> tupl
     """The target's decoder over `inputs` (input_ids [B, q], cache, ...) -> (final hidden states
     [B, q, H], what its LM head reads; features [B, q, H (1 + A)]: those, then the output of each
     layer in `aux_layers` RMS-normalised without weight). One forward; the aux outputs are caught
-    by hooks, not by keeping every layer's."""
+    by hooks, not by keeping every layer's (a compiled decoder, compiled.py, returns them all)."""
     decoder = target.get_decoder()
     caught: list[torch.Tensor] = []
     catch = lambda _module, _args, out: caught.append(out)  # noqa: E731
     hooks = [decoder.layers[i].register_forward_hook(catch) for i in sorted(aux_layers)]
     try:
-        hidden = decoder(**inputs).last_hidden_state
+        out = decoder(**inputs)
     finally:
         for hook in hooks:
             hook.remove()
+    hidden = out.last_hidden_state
+    if getattr(out, "layer_outputs", None) is not None:  # a compiled decoder's forward: no hooks ran
+        caught = [out.layer_outputs[i] for i in sorted(aux_layers)]
     if not aux_layers:
         return hidden, hidden
     aux = [(h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(hidden.dtype) for h in caught]

@@ -76,21 +76,46 @@ class LeanLayer(torch.nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [B, q, D]
         **kwargs,
     ) -> torch.Tensor:
-        b, q, width = hidden_states.shape
-        h = torch.nn.functional.rms_norm(hidden_states, (width,), self.norm_attn, self.eps)
-        qkv = self.qkv(h)
+        def attend(query, key, value, layer_idx):
+            if cache is not None:
+                key, value = cache.update(key, value, layer_idx, kwargs=kwargs)
+            function = ALL_ATTENTION_FUNCTIONS[self.attn[0].config._attn_implementation]
+            out, _ = function(
+                self.attn[0], query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+            )
+            return out.reshape(*hidden_states.shape[:2], -1)
+
+        return self.step(hidden_states, *position_embeddings, attend, _call)
+
+    def step(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, product=None):
+        """hidden [B, q, W], cos/sin [B, q, D] -> the layer's output [B, q, W]; `attend(query [B, H, q, D],
+        key, value [B, H_kv, q, D], layer index) -> [B, q, H * D]` writes the cache and attends.
+        `product(x, layer)`: how each of the four products is computed (default: a plain product of
+        the layer's weight, which a compiler traces; the eager forward calls the layer itself, which
+        may be tuned or quantized)."""
+        product = product or _linear
+        b, q, width = hidden.shape
+        h = torch.nn.functional.rms_norm(hidden, (width,), self.norm_attn, self.eps)
+        qkv = product(h, self.qkv)
         n_qk = (self.heads + self.kv_heads) * self.dim
-        qk = _rope(qkv[..., :n_qk].view(b, q, self.heads + self.kv_heads, self.dim), *position_embeddings)
+        qk = _rope(qkv[..., :n_qk].view(b, q, self.heads + self.kv_heads, self.dim), cos, sin)
         query, key = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
         value = qkv[..., n_qk:].view(b, q, self.kv_heads, self.dim).transpose(1, 2)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-        attend = ALL_ATTENTION_FUNCTIONS[self.attn[0].config._attn_implementation]
-        out, _ = attend(self.attn[0], query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
-        hidden_states = hidden_states + self.o_proj(out.reshape(b, q, -1))
-        h = torch.nn.functional.rms_norm(hidden_states, (width,), self.norm_mlp, self.eps)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return hidden_states + self.down(torch.nn.functional.silu(gate) * up)
+        out = attend(query, key, value, self.layer_idx)
+        hidden = hidden + product(out, self.o_proj)
+        h = torch.nn.functional.rms_norm(hidden, (width,), self.norm_mlp, self.eps)
+        gate, up = product(h, self.gate_up).chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up
+        return hidden + product(act, self.down)
+
+
+def _call(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    return layer(x)
+
+
+def _linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """x @ layer.weight^T (+ bias) as one plain product."""
+    return torch.nn.functional.linear(x, layer.weight, layer.bias)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,7 @@ def transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 #: The formulations by name; "onednn" is a FormTable method (it keeps the packed weights).
 FORMS = ("plain", "transposed", "onednn")
-_FUNCTIONS = {"plain": plain, "transposed": transposed}
+FUNCTIONS = {"plain": plain, "transposed": transposed}  # the traceable ones
 #: Above TUNE_MAX rows: "transposed" is fast only at multiples of 8 rows there.
 LARGE_FORMS = ("plain", "onednn")
 
@@ -100,6 +100,10 @@ class FormTable:
     def form(self, rows: int):
         if self.fixed is not None:
             return self.fixed
+        return self.function(self.form_name(rows))
+
+    def form_name(self, rows: int) -> str:
+        """The name of the formulation chosen for `rows` rows (measured now if not yet)."""
         key = bucket(rows)
         name = self.choice.get(key) or self._recall(key)
         if name is None:
@@ -108,7 +112,7 @@ class FormTable:
             self._remember()
             if "onednn" not in self.choice.values():
                 self.packed.clear()  # the copies its measurement made
-        return self.function(name)
+        return name
 
     def _disk_key(self) -> dict | None:
         return None if self.identity is None else {"machine": diskcache.machine(), "model": self.identity()}
@@ -137,7 +141,7 @@ class FormTable:
 
     def function(self, name: str):
         """The formulation `name` as a function (x [M, I], weight [O, I], bias) -> [M, O]."""
-        return self.onednn if name == "onednn" else _FUNCTIONS[name]
+        return self.onednn if name == "onednn" else FUNCTIONS[name]
 
     def onednn(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, I], weight [O, I] -> [M, O] by oneDNN's matmul over weight's packed copy, M > TUNE_MAX

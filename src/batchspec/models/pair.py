@@ -20,7 +20,7 @@ from ..cache import kv
 from ..core import diskcache
 from ..core.errors import BatchspecError
 from ..distributed import tp
-from . import attention, quant, sharding, support, vocab
+from . import attention, compiled, lean, quant, sharding, support, vocab
 from .linears import tune_linears
 from .tiny import byte_tokenizer, tiny_config, tiny_head, tiny_models, tiny_sliding_config
 
@@ -117,6 +117,7 @@ class PairSpec:
     draft_dtype: str | None = None
     draft_quant: str | None = None
     draft_vocab: int | str | None = None
+    compile: bool | None = None
 
     def load(self) -> ModelPair:
         return load_pair(**vars(self))
@@ -132,6 +133,7 @@ def load_pair(
     draft_dtype: str | None = None,
     draft_quant: str | None = None,
     draft_vocab: int | str | None = None,
+    compile: bool | None = None,
 ) -> ModelPair:
     """Load a built-in pair by name, or a target (and optional draft) from a directory, a .gguf
     file or a hub id. Without a draft the pair uses the n-gram proposer. `tp_size` > 1: this
@@ -142,17 +144,18 @@ def load_pair(
     a GPU). `draft_quant` (none, int8, int4): the draft model's linear layers weight-only
     quantized. `draft_vocab` N: the draft model's LM head scores at most N tokens, learned as it
     runs (vocab.py); "full": all of them; default: vocab.SELF_ROWS for a self-draft, else all. A
-    drafter's numerics change how many drafts are accepted, never the output."""
+    drafter's numerics change how many drafts are accepted, never the output. `compile`: the
+    target's decoder compiled (compiled.py; default: `compile_default`), or False: eager."""
     started, before = time.perf_counter(), diskcache.tally.copy()
-    result = _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype, draft_quant, draft_vocab)
+    result = _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype, draft_quant, draft_vocab, compile)
     new = diskcache.tally - before
     how = "converted the GGUF" if new["gguf converted"] else "cached GGUF conversion" if new["gguf reused"] else "read"
-    result.startup = {"load_s": round(time.perf_counter() - started, 3), "weights": how}
+    result.startup = {"load_s": round(time.perf_counter() - started, 3), "weights": how} | result.startup
     return result
 
 
 def _load_pair(
-    pair, target, draft, dtype, device, tp_size, draft_dtype=None, draft_quant=None, draft_vocab=None
+    pair, target, draft, dtype, device, tp_size, draft_dtype=None, draft_quant=None, draft_vocab=None, compile=None
 ) -> ModelPair:
     if dtype not in DTYPES:
         raise BatchspecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -211,12 +214,32 @@ def _load_pair(
         _reduce_draft_head(result, draft_vocab, DTYPES[draft_dtype or dtype], draft_quant not in (None, "none"))
     if draft != SELF and draft_quant not in (None, "none"):
         quant.quantize(result.draft, draft_quant)
+    wanted = compile_default(pair) if compile is None else compile
+    why = compiled.why_not(result.target, tp_size) if wanted else "--no-compile"
+    if why is None:
+        lean.install(result.target)  # before tuning: its fused products are tuned too
     # On a CPU: the faster BLAS formulation per row count. Not a sharded target: its linear layers
     # carry transformers' tensor-parallel hooks.
     for model in (result.target if tp_size == 1 else None, result.draft, result.head):
         if model is not None:
             tune_linears(model)
+    if why is None:
+        compiled.cache_dir(None if diskcache.root() is None else str(diskcache.root()))
+        compiled.install(result.target)
+        result.startup = {"forward": "compiled", "compile_s": round(compiled.warm(result.target), 3)}
+    else:
+        if compile:  # asked for and refused: say why, once
+            warnings.warn(f"running the target eager: {why}", stacklevel=3)
+        result.startup = {"forward": f"eager ({why})"}
     return result
+
+
+def compile_default(pair: str | None) -> bool:
+    """Whether a pair's target is compiled unless told: yes, but for the tiny test pairs and where
+    $BATCHSPEC_COMPILE is off (0, off, none)."""
+    if os.environ.get(compiled.ENV, "").strip().lower() in diskcache.OFF:
+        return False
+    return pair not in ("tiny", "tiny-sliding")
 
 
 def _reduce_draft_head(pair: ModelPair, rows: int, dtype: torch.dtype, quantized: bool) -> None:

@@ -1,0 +1,274 @@
+"""A compiled decoder: the layers' elementwise math fused into one graph around the products and
+attention, which stay the engine's own.
+
+transformers' decoder runs about 80 operations a layer; at one row on a CPU their fixed costs
+(dispatch, allocation, Python) are a third of a forward. Lean layers (lean.py) bring that to about
+20; `CompiledDecoder` runs them as one `torch.compile`d (inductor) function of (token ids, cos,
+sin) -> hidden states, in which everything but two kinds of operation is fused C++:
+
+- `batchspec::product`: a linear layer of the model, computed as the layer itself computes it (a
+  `TunedLinear`'s measured fastest formulation for the row count, or the batch-invariant form).
+  oneDNN's packed weights are opaque to the compiler, and the formulations are chosen per row
+  count, so the products are called, not traced.
+- `batchspec::attend`: write the new keys and values into whatever cache the forward was given
+  (ragged slots, a padded buffer, the reference's own) and attend with the model's attention
+  function and the forward's mask, so layouts, masks, trees and row spans are unchanged.
+
+The graph sees the batch flattened to one row of N tokens ([1, N, W]): the dense math is per
+token, and only `attend` needs the rows, which it reads from the forward. So one graph serves
+every batch size and query width (N symbolic; torch.compile specializes N = 1 apart, so two
+graphs). inductor's compiled code is kept on disk by its own cache, in the tuning cache's folder
+(`cache_dir`).
+
+The engine never learns a compiler ran: `install` replaces the decoder's `forward`, with its
+signature and result. A forward the graph does not serve runs the eager lean layers (the same
+numerics but for the fused elementwise order): more than MAX_ROWS tokens (a prompt's prefill,
+where the products dominate), gradients, embeddings given instead of ids, the batch-invariant mode
+(its attention and rotary tables are the eager ones; see docs/benchmarks.md). `reference` calls the
+same decoder, so the oracle and the methods share its numerics. A model whose layers the lean form
+does not compute stays eager (`why_not`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import weakref
+
+import torch
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..cache import kv
+from . import lean, linears
+from .invariant import NAME as INVARIANT  # the batch-invariant mode's attention, which runs eager
+
+#: The environment variable that turns the default off (pair.compile_default).
+ENV = "BATCHSPEC_COMPILE"
+#: Most tokens (rows x query width) a compiled forward takes; more run eager.
+MAX_ROWS = 128
+
+#: slot -> a linear layer (weakly held), read by `product`; the current forward's cache, mask and
+#: rows, read by `attend` (set around the graph call; a forward never re-enters itself).
+_PRODUCTS: dict[int, weakref.ref] = {}
+_CURRENT: dict = {}
+
+
+@torch.library.custom_op("batchspec::product", mutates_args=())
+def product(x: torch.Tensor, slot: int) -> torch.Tensor:
+    """x [.., I] -> [.., O] by the linear layer in `slot`."""
+    return _PRODUCTS[slot]()(x)
+
+
+@product.register_fake
+def _(x, slot):
+    return x.new_empty(*x.shape[:-1], _PRODUCTS[slot]().out_features)
+
+
+@torch.library.custom_op("batchspec::attend", mutates_args=())
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int) -> torch.Tensor:
+    """query [1, H, N, D], key/value [1, H_kv, N, D] of layer `layer`, the current forward's B x q
+    tokens flattened -> [1, N, H * D]: the new entries written to its cache, attention over it."""
+    cache, mask, module, (b, q) = _CURRENT["cache"], _CURRENT["mask"], _CURRENT["modules"][layer], _CURRENT["rows"]
+    query, key, value = (t.view(t.shape[1], b, q, t.shape[3]).transpose(0, 1) for t in (query, key, value))
+    if cache is not None:
+        key, value = cache.update(key, value, layer)
+    function = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
+    out, _ = function(module, query, key, value, mask, scaling=module.scaling)
+    return out.reshape(1, b * q, -1)
+
+
+@attend.register_fake
+def _(query, key, value, layer):
+    _, heads, n, dim = query.shape
+    return query.new_empty(1, n, heads * dim)
+
+
+def why_not(model: torch.nn.Module, tp_size: int = 1) -> str | None:
+    """Why `model`'s decoder cannot be compiled (None: it can); before `lean.install`."""
+    if tp_size > 1:
+        return "a tensor-parallel shard keeps transformers' layers (their sharding hooks)"
+    layers = model.get_decoder().layers
+    kinds = {
+        type(layer).__name__ for layer in layers if not (lean.supported(layer) or isinstance(layer, lean.LeanLayer))
+    }
+    if kinds:
+        return f"its {', '.join(sorted(kinds))} layers are not of the lean Llama form (windows, qk-norm or other norms)"
+    return None
+
+
+class LeanStack(torch.nn.Module):
+    """The decoder's math over one row of N tokens: embedding, lean layers, the final norm.
+    `form`: how the products are computed: None, each by its layer (`batchspec::product`); or the
+    name of a traceable formulation (linears.py) for all of them, which the graph then contains."""
+
+    def __init__(self, decoder: torch.nn.Module, slots: dict[int, int], form: str | None = None):
+        super().__init__()
+        self.embed = decoder.embed_tokens
+        self.layers = decoder.layers  # lean.LeanLayer each
+        self.norm = decoder.norm  # transformers' own final norm, as the eager decoder computes it
+        self.slots = slots  # id(linear layer) -> its product slot
+        self.form = form
+
+    def product(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+        if self.form is None:
+            return product(x, self.slots[id(layer)])
+        flat = x.reshape(-1, x.shape[-1])
+        return linears.FUNCTIONS[self.form](flat, layer.weight, layer.bias).view(*x.shape[:-1], -1)
+
+    def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """ids [1, N], cos/sin [1, N, D] -> (final hidden states [1, N, W], then each layer's output)."""
+        hidden = self.embed(ids)
+        outputs = []
+        for layer in self.layers:
+            hidden = layer.step(hidden, cos, sin, attend, self.product)
+            outputs.append(hidden)
+        return (self.norm(hidden), *outputs)
+
+
+class CompiledDecoder:
+    """A transformers decoder's `forward` (lean layers), served by a compiled `LeanStack` where it can."""
+
+    def __init__(self, decoder: torch.nn.Module, eager, backend: str = "inductor", freeze: bool = False):
+        self.decoder, self.eager, self.backend, self.freeze = decoder, eager, backend, freeze
+        slots = {}
+        for layer in decoder.layers:
+            for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                slot = len(_PRODUCTS)
+                _PRODUCTS[slot], slots[id(linear)] = weakref.ref(linear), slot
+        self.slots = slots
+        self.stack = LeanStack(decoder, slots)
+        self.modules = [layer.attn[0] for layer in decoder.layers]
+        self.graphs: dict[str | None, object] = {}  # product form -> its compiled stack
+        self.compile_s = 0.0  # seconds spent in forwards that compiled a graph
+        self.calls = 0  # forwards a graph served
+
+    def graph(self, tokens: int):
+        """The compiled stack for a forward of `tokens` tokens: at one token, products traced into
+        the graph in the formulation the layers' table chose there, where that one is traceable
+        (one row's products are where a call's fixed cost weighs most); else called."""
+        table = getattr(self.stack.layers[0].qkv, "table", None)
+        form = None
+        if self.freeze:
+            form = "plain"  # oneDNN-packed by inductor's freezing, at every row count
+        elif tokens == 1 and table is not None and table.fixed is None:
+            name = table.form_name(1)
+            form = name if name in linears.FUNCTIONS else None
+        if form not in self.graphs:
+            stack = LeanStack(self.decoder, self.slots, form)
+            options = {"freezing": True} if self.freeze else None
+            self.graphs[form] = torch.compile(
+                stack, backend=self.backend, dynamic=True, fullgraph=True, options=options
+            )
+        return self.graphs[form]
+
+    def serves(self, ids, inputs_embeds, kwargs) -> bool:
+        return (
+            ids is not None
+            and inputs_embeds is None
+            and ids.numel() <= MAX_ROWS
+            and not torch.is_grad_enabled()
+            and self.decoder.config._attn_implementation != INVARIANT
+            and not any(kwargs.get(k) for k in ("output_attentions", "output_hidden_states"))
+        )
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ):
+        if not self.serves(input_ids, inputs_embeds, kwargs):
+            return self.eager(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                **kwargs,
+            )
+        b, q = input_ids.shape
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.decoder.config)
+        if position_ids is None:  # transformers' decoder's rules, for its own callers
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + q, device=input_ids.device)[None]
+        shape = self.stack.norm.weight.new_empty(b, q, 1)  # what the mask is built for: rows, tokens, dtype
+        attention_mask = create_causal_mask(
+            config=self.decoder.config,
+            inputs_embeds=shape,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        cos, sin = self.decoder.rotary_emb(shape, position_ids.expand(b, q))
+        flat = lambda t: t.reshape(1, b * q, *t.shape[2:])  # noqa: E731
+        started, before = time.perf_counter(), _compiles()
+        with _current(cache, attention_mask, self.modules, (b, q)):
+            hidden, *outputs = self.graph(b * q)(flat(input_ids), flat(cos), flat(sin))
+        if _compiles() != before:
+            self.compile_s += time.perf_counter() - started
+        self.calls += 1
+        out = BaseModelOutputWithPast(last_hidden_state=hidden.view(b, q, -1), past_key_values=cache)
+        out.layer_outputs = [h.view(b, q, -1) for h in outputs]
+        return out
+
+
+def _compiles() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["stats"].values()) if "stats" in counters else 0
+
+
+@contextlib.contextmanager
+def _current(cache, mask, modules, rows):
+    _CURRENT.update(cache=cache, mask=mask, modules=modules, rows=rows)
+    try:
+        yield
+    finally:
+        _CURRENT.clear()
+
+
+def cache_dir(folder: str | None) -> None:
+    """Keep inductor's compiled code in `folder` (the tuning cache's; unless the user chose a place),
+    or nowhere (None: the cache is off)."""
+    if folder is None:
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
+    elif "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "inductor")
+
+
+def install(model: torch.nn.Module, backend: str = "inductor", freeze: bool = False) -> None:
+    """Serve `model`'s decoder by a compiled graph where it can (`why_not` is None; its layers
+    lean.install'ed, before its linear layers are tuned)."""
+    decoder = model.get_decoder()
+    if getattr(decoder, "batchspec_compiled", None) is None:
+        compiled = CompiledDecoder(decoder, decoder.forward, backend, freeze)
+        decoder.forward = compiled
+        decoder.batchspec_compiled = compiled
+
+
+def compiled(model: torch.nn.Module) -> CompiledDecoder | None:
+    """`model`'s compiled decoder, or None (eager)."""
+    return getattr(model.get_decoder(), "batchspec_compiled", None)
+
+
+@torch.inference_mode()
+def warm(model: torch.nn.Module) -> float:
+    """Compile (or load from inductor's cache) both graphs now, not in the first step; seconds taken."""
+    started = time.perf_counter()
+    device = next(model.parameters()).device
+    cache = kv.reference_cache(model.config)
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)  # two tokens: the graph for N > 1
+    model(input_ids=ids[:, :1], cache=cache, use_cache=True, logits_to_keep=1)  # one token
+    return time.perf_counter() - started

@@ -1,0 +1,113 @@
+"""The compiled decoder (models/compiled.py): the same tokens as the reference through every method
+on a compiled target, the same logits and features as the eager layers, and the forwards it does
+not serve (many tokens, the batch-invariant mode, layers it cannot compute) run eager, said so."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from helpers import decode, random_prompts, reference_tokens
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from batchspec import SamplingParams, SpecDecoder, load_pair
+from batchspec.cli import main
+from batchspec.models import compiled, lean
+from batchspec.models.forward import decoder_features
+
+
+@pytest.fixture(scope="module")
+def compiled64():
+    pair = load_pair("tiny", dtype="float64", compile=True)
+    assert pair.startup["forward"] == "compiled" and pair.startup["compile_s"] > 0
+    return pair
+
+
+def _graph_calls(pair) -> int:
+    return compiled.compiled(pair.target).calls
+
+
+@settings(max_examples=12)
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 12),
+    batch=st.integers(1, 8),
+    k=st.integers(1, 6),
+    method=st.sampled_from(["ar", "spec1", "eqspec", "exspec", "ragged"]),
+    proposer=st.sampled_from(["draft", "ngram", "eagle"]),
+)
+def test_every_method_on_a_compiled_target_equals_the_reference(compiled64, seed, n, batch, k, method, proposer):
+    prompts = random_prompts(seed, n, 1, 40)
+    before = _graph_calls(compiled64)
+    got = decode(compiled64, prompts, 16, method=method, batch_size=batch, k=k, proposer=proposer)
+    assert got == reference_tokens(compiled64, prompts, 16)
+    assert _graph_calls(compiled64) > before  # the graph served the steps
+
+
+def test_k_auto_and_trees_on_a_compiled_target(compiled64):
+    prompts = random_prompts(7, 6, 1, 60)
+    for config in ({"k": "auto"}, {"k": 3, "branches": 2, "proposer": "eagle"}):
+        got = decode(compiled64, prompts, 20, method="ragged", batch_size=4, **config)
+        assert got == reference_tokens(compiled64, prompts, 20), config
+
+
+@torch.inference_mode()
+def test_compiled_logits_and_features_equal_the_eager_layers(compiled64):
+    target = compiled64.target
+    eager = copy.deepcopy(target)
+    decoder = eager.get_decoder()
+    decoder.forward = decoder.batchspec_compiled.eager  # the same lean layers, op by op
+    del decoder.batchspec_compiled
+    ids = torch.randint(0, 256, (3, 9))
+    caches = [DynamicCache(config=target.config) for _ in range(2)]
+    for lo, hi in ((0, 5), (5, 6), (6, 9)):  # a prompt, one token, three: both graphs
+        got, want = (m(input_ids=ids[:, lo:hi], cache=c, use_cache=True).logits for m, c in zip((target, eager), caches))
+        # transformers' final norm computes in float32 (a float64 model's logits round there)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    aux = (0, 1)
+    got = decoder_features(target, aux, input_ids=ids)[1]
+    want = decoder_features(eager, aux, input_ids=ids)[1]
+    width = target.config.hidden_size
+    assert got.shape == want.shape == (3, 9, 3 * width)
+    torch.testing.assert_close(got[..., width:], want[..., width:], atol=1e-12, rtol=1e-12)  # the layers: float64
+    torch.testing.assert_close(got[..., :width], want[..., :width], atol=1e-5, rtol=1e-5)
+
+
+def test_long_prompts_and_the_invariant_mode_run_eager_and_exact():
+    pair = load_pair("tiny", dtype="float32", compile=True)
+    graph = compiled.compiled(pair.target)
+    long = random_prompts(3, 1, compiled.MAX_ROWS + 10, compiled.MAX_ROWS + 20)
+    calls = graph.calls
+    with torch.inference_mode():
+        pair.target(input_ids=torch.tensor(long))
+    assert graph.calls == calls  # more than MAX_ROWS tokens: eager
+    prompts = random_prompts(4, 4, 1, 30)
+    want = reference_tokens(pair, prompts, 12)
+    dec = SpecDecoder(pair, method="ragged", batch_size=4, k=2, batch_invariant=True)
+    calls = graph.calls
+    got = [o.token_ids for o in dec.generate(prompts, SamplingParams(max_new_tokens=12))]
+    assert graph.calls == calls  # the mode's own attention and rotary tables: eager
+    SpecDecoder(pair, batch_invariant=False).generate(prompts[:1], SamplingParams(max_new_tokens=2))
+    assert graph.calls > calls  # out of the mode: compiled again
+    oracle = SpecDecoder(pair, method="reference", batch_invariant=True)
+    assert got == [o.token_ids for o in oracle.generate(prompts, SamplingParams(max_new_tokens=12))]
+
+
+def test_layers_the_lean_form_cannot_compute_stay_eager_with_the_reason():
+    with pytest.warns(UserWarning, match="running the target eager: its Gemma3DecoderLayer layers"):
+        pair = load_pair("tiny-sliding", dtype="float32", compile=True)
+    assert pair.startup["forward"].startswith("eager (its Gemma3DecoderLayer layers")
+    assert compiled.compiled(pair.target) is None
+    assert not any(isinstance(layer, lean.LeanLayer) for layer in pair.target.get_decoder().layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not asked for: no warning
+        assert load_pair("tiny-sliding", dtype="float32").startup["forward"] == "eager (--no-compile)"
+
+
+def test_the_stats_line_says_which_forward_ran(capsys):
+    assert main(["generate", "--pair", "tiny", "--max-new-tokens", "4", "--no-compile", "hello"]) == 0
+    assert "forward eager (--no-compile)" in capsys.readouterr().out
