@@ -8,10 +8,10 @@ concatenated by output rows, so a weight-only quantization per output row is the
 three or two apart), RoPE on q and k at once, fused RMS norms. Attention and the cache are the
 engine's own (attention.py, the layout's cache), called as transformers calls them.
 
-Only a draft gets it (`quant.self_draft`): a draft's numerics never change the output, only how
-many drafts are accepted. The target keeps transformers' layers, whose numerics the reference
-shares. Layers of other architectures (qk-norm, sliding windows, other norms or activations) are
-left as they are (`supported`).
+A self-draft always gets it (`quant.self_draft`); the target gets it when its decoder is compiled
+(compiled.py, which runs `LeanLayer.step` in one graph): the reference runs the same target, so the
+oracle shares its numerics. Layers of other architectures (qk-norm, sliding windows, other norms
+or activations) are left as they are (`supported`).
 """
 
 from __future__ import annotations
