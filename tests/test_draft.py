@@ -136,3 +136,16 @@ def test_default_pair_proposes_lookup_first_with_the_head_and_keeps_the_others(p
     assert SpecDecoder(pair, method="eqspec", proposer="ngram").proposer_name == "ngram"
     assert load_pair("default", dtype="bfloat16").default_proposer == "ngram+eagle"
     assert isinstance(SpecDecoder(pair, method="eqspec", proposer="draft").proposer.model, SmolDraft)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_the_shipped_draft_quantized_drafts_exactly(pair, kind):
+    quantized = load_pair("default", dtype="float32", draft_quant=kind)
+    assert type(quantized.draft.lm_head).__name__ == "QuantLinear"
+    assert quantized.draft.lm_head.kind == "int8"  # the head picks the token: int8 under int4 too
+    prompts = ["Name three primary colours.", "What is 12 times 7?"]
+    params = SamplingParams(max_new_tokens=20)
+    ref = [o.token_ids for o in SpecDecoder(pair, method="reference").generate(prompts, params)]
+    dec = SpecDecoder(quantized, method="ragged", k=3, batch_size=2, proposer="draft")
+    assert [o.token_ids for o in dec.generate(prompts, params)] == ref
+    assert dec.stats.summary()["mean_accepted"] > 0.2

@@ -88,3 +88,19 @@ def test_windowed_layers_keep_transformers_layers(window):
     )
     model = MistralForCausalLM(config).eval()
     assert lean.install(model) == (2 if window is None else 0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_model_with_lean_layers_saves_as_the_model_it_was_made_from(kind, tmp_path):
+    model = _model(kind)
+    want = {name: t.clone() for name, t in model.state_dict().items()}
+    lean.install(model)
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    model.save_pretrained(tmp_path)  # and back: transformers' own layers from the saved files
+    again = type(model).from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 97, (2, 11))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=ids).logits, again(input_ids=ids).logits, atol=2e-5, rtol=1e-4)

@@ -143,7 +143,6 @@ class CompiledDecoder:
         self.stack = LeanStack(decoder, slots)
         self.modules = [layer.attn[0] for layer in decoder.layers]
         self.graphs: dict[str | None, object] = {}  # product form -> its compiled stack
-        self.compile_s = 0.0  # seconds spent in forwards that compiled a graph
         self.calls = 0  # forwards a graph served
 
     def graph(self, tokens: int):
@@ -211,21 +210,12 @@ class CompiledDecoder:
         )
         cos, sin = self.decoder.rotary_emb(shape, position_ids.expand(b, q))
         flat = lambda t: t.reshape(1, b * q, *t.shape[2:])  # noqa: E731
-        started, before = time.perf_counter(), _compiles()
         with _current(cache, attention_mask, self.modules, (b, q)):
             hidden, *outputs = self.graph(b * q)(flat(input_ids), flat(cos), flat(sin))
-        if _compiles() != before:
-            self.compile_s += time.perf_counter() - started
         self.calls += 1
         out = BaseModelOutputWithPast(last_hidden_state=hidden.view(b, q, -1), past_key_values=cache)
         out.layer_outputs = [h.view(b, q, -1) for h in outputs]
         return out
-
-
-def _compiles() -> int:
-    from torch._dynamo.utils import counters
-
-    return sum(counters["stats"].values()) if "stats" in counters else 0
 
 
 @contextlib.contextmanager

@@ -62,6 +62,10 @@ class SmolDraft(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    def get_output_embeddings(self) -> torch.nn.Module:
+        """The LM head (over `vocab_ids`), as transformers' models name it (quant.py keeps it int8)."""
+        return self.lm_head
+
     def tie_embedding(self, embedding: torch.nn.Parameter) -> None:
         """Use `embedding` ([V, H], the target's input embedding) as this model's input embedding."""
         if tuple(embedding.shape) != (self.config.vocab_size, self.config.hidden_size):

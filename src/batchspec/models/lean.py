@@ -65,6 +65,7 @@ class LeanLayer(torch.nn.Module):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):  # held above, fused or as they are
             delattr(attn, name)
         self.attn = (attn,)  # what the attention function reads (config, layer_idx); not a submodule
+        self._register_state_dict_hook(_original_names)
 
     def forward(
         self,
@@ -107,6 +108,35 @@ class LeanLayer(torch.nn.Module):
         gate, up = product(h, self.gate_up).chunk(2, dim=-1)
         act = torch.nn.functional.silu(gate) * up
         return hidden + product(act, self.down)
+
+
+#: A LeanLayer's own names -> transformers' layer's, for its products split back (q, k, v; gate, up).
+_NAMES = {
+    "norm_attn": "input_layernorm.weight",
+    "norm_mlp": "post_attention_layernorm.weight",
+    "o_proj.weight": "self_attn.o_proj.weight",
+    "o_proj.bias": "self_attn.o_proj.bias",
+    "down.weight": "mlp.down_proj.weight",
+}
+
+
+def _original_names(layer: LeanLayer, state: dict, prefix: str, _metadata) -> dict:
+    """A LeanLayer's state dict under transformers' layer's names, its fused products split back,
+    so a model holding lean layers saves (`save_pretrained`) as the model it was made from."""
+    for name, original in _NAMES.items():
+        if prefix + name in state:
+            state[prefix + original] = state.pop(prefix + name)
+    sizes = (layer.heads * layer.dim, layer.kv_heads * layer.dim, layer.kv_heads * layer.dim)
+    for fused, parts, split in (("qkv", ("q", "k", "v"), sizes), ("gate_up", ("gate", "up"), None)):
+        owner = "self_attn" if fused == "qkv" else "mlp"
+        for kind in ("weight", "bias"):
+            value = state.pop(f"{prefix}{fused}.{kind}", None)
+            if value is None:
+                continue
+            pieces = value.split(split) if split else value.chunk(2)
+            for part, piece in zip(parts, pieces):
+                state[f"{prefix}{owner}.{part}_proj.{kind}"] = piece
+    return state
 
 
 def _call(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
