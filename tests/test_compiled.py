@@ -31,7 +31,7 @@ def _graph_calls(pair) -> int:
     return compiled.compiled(pair.target).calls
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(
     seed=st.integers(0, 10**6),
     n=st.integers(1, 12),

@@ -56,11 +56,12 @@ class SmolDraft(torch.nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """What it computes in: its norms' dtype (its linear layers may be quantized, quant.py)."""
+        return self.model.norm.weight.dtype
 
     def get_output_embeddings(self) -> torch.nn.Module:
         """The LM head (over `vocab_ids`), as transformers' models name it (quant.py keeps it int8)."""
