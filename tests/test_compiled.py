@@ -97,15 +97,19 @@ def test_long_prompts_and_the_invariant_mode_run_eager_and_exact():
     assert got == [o.token_ids for o in oracle.generate(prompts, SamplingParams(max_new_tokens=12))]
 
 
-def test_layers_the_lean_form_cannot_compute_stay_eager_with_the_reason():
+def test_layers_the_lean_form_cannot_compute_stay_eager_with_the_reason(monkeypatch):
     with pytest.warns(UserWarning, match="running the target eager: its Gemma3DecoderLayer layers"):
         pair = load_pair("tiny-sliding", dtype="float32", compile=True)
     assert pair.startup["forward"].startswith("eager (its Gemma3DecoderLayer layers")
     assert compiled.compiled(pair.target) is None
     assert not any(isinstance(layer, lean.LeanLayer) for layer in pair.target.get_decoder().layers)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # not asked for: no warning
-        assert load_pair("tiny-sliding", dtype="float32").startup["forward"] == "eager (--no-compile)"
+        warnings.simplefilter("error")  # not asked for: no warning, and the reason it was not
+        monkeypatch.delenv("BATCHSPEC_COMPILE", raising=False)
+        assert load_pair("tiny-sliding").startup["forward"] == "eager (the tiny pairs run eager unless asked)"
+        monkeypatch.setenv("BATCHSPEC_COMPILE", "off")
+        assert load_pair("tiny").startup["forward"] == "eager (BATCHSPEC_COMPILE=off)"
+        assert load_pair("tiny", compile=False).startup["forward"] == "eager (--no-compile)"
 
 
 def test_the_stats_line_says_which_forward_ran(capsys):

@@ -150,7 +150,8 @@ def load_pair(
     result = _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype, draft_quant, draft_vocab, compile)
     new = diskcache.tally - before
     how = "converted the GGUF" if new["gguf converted"] else "cached GGUF conversion" if new["gguf reused"] else "read"
-    result.startup = {"load_s": round(time.perf_counter() - started, 3), "weights": how} | result.startup
+    load_s = time.perf_counter() - started - result.startup.get("compile_s", 0.0)  # compiling is reported apart
+    result.startup = {"load_s": round(load_s, 3), "weights": how} | result.startup
     return result
 
 
@@ -214,8 +215,9 @@ def _load_pair(
         _reduce_draft_head(result, draft_vocab, DTYPES[draft_dtype or dtype], draft_quant not in (None, "none"))
     if draft != SELF and draft_quant not in (None, "none"):
         quant.quantize(result.draft, draft_quant)
-    wanted = compile_default(pair) if compile is None else compile
-    why = compiled.why_not(result.target, tp_size) if wanted else "--no-compile"
+    why = (compile_default(pair) if compile is None else None if compile else "--no-compile") or compiled.why_not(
+        result.target, tp_size
+    )
     if why is None:
         lean.install(result.target)  # before tuning: its fused products are tuned too
     # On a CPU: the faster BLAS formulation per row count. Not a sharded target: its linear layers
@@ -234,12 +236,14 @@ def _load_pair(
     return result
 
 
-def compile_default(pair: str | None) -> bool:
-    """Whether a pair's target is compiled unless told: yes, but for the tiny test pairs and where
-    $BATCHSPEC_COMPILE is off (0, off, none)."""
+def compile_default(pair: str | None) -> str | None:
+    """Why a pair's target runs eager unless told otherwise (None: it is compiled): the tiny test
+    pairs, and $BATCHSPEC_COMPILE off (0, off, none)."""
     if os.environ.get(compiled.ENV, "").strip().lower() in diskcache.OFF:
-        return False
-    return pair not in ("tiny", "tiny-sliding")
+        return f"{compiled.ENV}=off"
+    if pair in ("tiny", "tiny-sliding"):
+        return "the tiny pairs run eager unless asked"
+    return None
 
 
 def _reduce_draft_head(pair: ModelPair, rows: int, dtype: torch.dtype, quantized: bool) -> None:
