@@ -40,13 +40,12 @@ import torch
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..cache import kv
 from . import lean, linears
 from .invariant import NAME as INVARIANT  # the batch-invariant mode's attention, which runs eager
 
-#: The environment variable that turns the default off (pair.compile_default).
+#: The environment variable that turns the default off (pair.default_eager_reason).
 ENV = "BATCHSPEC_COMPILE"
 #: Most tokens (rows x query width) a compiled forward takes; more run eager.
 MAX_ROWS = 128
@@ -74,11 +73,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
     tokens flattened -> [1, N, H * D]: the new entries written to its cache, attention over it."""
     cache, mask, module, (b, q) = _CURRENT["cache"], _CURRENT["mask"], _CURRENT["modules"][layer], _CURRENT["rows"]
     query, key, value = (t.view(t.shape[1], b, q, t.shape[3]).transpose(0, 1) for t in (query, key, value))
-    if cache is not None:
-        key, value = cache.update(key, value, layer)
-    function = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
-    out, _ = function(module, query, key, value, mask, scaling=module.scaling)
-    return out.reshape(1, b * q, -1)
+    return lean.cached_attention(module, cache, mask, query, key, value, layer).reshape(1, b * q, -1)
 
 
 @attend.register_fake
@@ -92,9 +87,7 @@ def why_not(model: torch.nn.Module, tp_size: int = 1) -> str | None:
     if tp_size > 1:
         return "a tensor-parallel shard keeps transformers' layers (their sharding hooks)"
     layers = model.get_decoder().layers
-    kinds = {
-        type(layer).__name__ for layer in layers if not (lean.supported(layer) or isinstance(layer, lean.LeanLayer))
-    }
+    kinds = {type(layer).__name__ for layer in layers if not lean.supported(layer)}
     if kinds:
         return f"its {', '.join(sorted(kinds))} layers are not of the lean Llama form (windows, qk-norm or other norms)"
     return None
@@ -227,7 +220,7 @@ def _current(cache, mask, modules, rows):
         _CURRENT.clear()
 
 
-def cache_dir(folder: str | None) -> None:
+def cache_dir(folder: str | os.PathLike | None) -> None:
     """Keep inductor's compiled code in `folder` (the tuning cache's; unless the user chose a place),
     or nowhere (None: the cache is off)."""
     if folder is None:

@@ -78,13 +78,7 @@ class LeanLayer(torch.nn.Module):
         **kwargs,
     ) -> torch.Tensor:
         def attend(query, key, value, layer_idx):
-            if cache is not None:
-                key, value = cache.update(key, value, layer_idx, kwargs=kwargs)
-            function = ALL_ATTENTION_FUNCTIONS[self.attn[0].config._attn_implementation]
-            out, _ = function(
-                self.attn[0], query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
-            )
-            return out.reshape(*hidden_states.shape[:2], -1)
+            return cached_attention(self.attn[0], cache, attention_mask, query, key, value, layer_idx, **kwargs)
 
         return self.step(hidden_states, *position_embeddings, attend, _call)
 
@@ -108,6 +102,17 @@ class LeanLayer(torch.nn.Module):
         gate, up = product(h, self.gate_up).chunk(2, dim=-1)
         act = torch.nn.functional.silu(gate) * up
         return hidden + product(act, self.down)
+
+
+def cached_attention(module, cache, mask, query, key, value, layer: int, **kwargs) -> torch.Tensor:
+    """query [B, H, q, D], key/value [B, H_kv, q, D] of layer `layer` -> [B, q, H * D]: the new entries
+    written to `cache` (if any), then the model's attention function (`module`'s config names it)
+    over the cache with `mask`, as transformers' layers call it."""
+    if cache is not None:
+        key, value = cache.update(key, value, layer, kwargs=kwargs)
+    function = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
+    out, _ = function(module, query, key, value, mask, dropout=0.0, scaling=module.scaling, **kwargs)
+    return out.reshape(query.shape[0], query.shape[2], -1)
 
 
 #: A LeanLayer's own names -> transformers' layer's, for its products split back (q, k, v; gate, up).

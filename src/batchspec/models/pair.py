@@ -145,7 +145,7 @@ def load_pair(
     quantized. `draft_vocab` N: the draft model's LM head scores at most N tokens, learned as it
     runs (vocab.py); "full": all of them; default: vocab.SELF_ROWS for a self-draft, else all. A
     drafter's numerics change how many drafts are accepted, never the output. `compile`: the
-    target's decoder compiled (compiled.py; default: `compile_default`), or False: eager."""
+    target's decoder compiled (compiled.py; default: unless `default_eager_reason`), or False: eager."""
     started, before = time.perf_counter(), diskcache.tally.copy()
     result = _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype, draft_quant, draft_vocab, compile)
     new = diskcache.tally - before
@@ -215,7 +215,7 @@ def _load_pair(
         _reduce_draft_head(result, draft_vocab, DTYPES[draft_dtype or dtype], draft_quant not in (None, "none"))
     if draft != SELF and draft_quant not in (None, "none"):
         quant.quantize(result.draft, draft_quant)
-    why = (compile_default(pair) if compile is None else None if compile else "--no-compile") or compiled.why_not(
+    why = (default_eager_reason(pair) if compile is None else None if compile else "--no-compile") or compiled.why_not(
         result.target, tp_size
     )
     if why is None:
@@ -226,7 +226,7 @@ def _load_pair(
         if model is not None:
             tune_linears(model)
     if why is None:
-        compiled.cache_dir(None if diskcache.root() is None else str(diskcache.root()))
+        compiled.cache_dir(diskcache.root())
         compiled.install(result.target)
         result.startup = {"forward": "compiled", "compile_s": round(compiled.warm(result.target), 3)}
     else:
@@ -236,7 +236,7 @@ def _load_pair(
     return result
 
 
-def compile_default(pair: str | None) -> str | None:
+def default_eager_reason(pair: str | None) -> str | None:
     """Why a pair's target runs eager unless told otherwise (None: it is compiled): the tiny test
     pairs, and $BATCHSPEC_COMPILE off (0, off, none)."""
     if os.environ.get(compiled.ENV, "").strip().lower() in diskcache.OFF:
