@@ -69,7 +69,7 @@ class SpecDecoder:
                 raise BatchspecError(
                     f"prompt {i} has {len(ids)} tokens, which leaves no room in the model's context of {context} tokens"
                 )
-            seqs.append(Sequence.request(i, ids, p, context, self.pair.eos_ids))
+            seqs.append(Sequence.request(i, ids, p, context, self.pair.eos_ids, self.pair.matcher(p)))
         return seqs
 
     def generate(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from . import methods, tree
 from .errors import BatchspecError
+from .grammar import KINDS, Grammar
 from .logprobs import MAX_LOGPROBS
 
 PROPOSERS = ("draft", "ngram", "eagle", "ngram+eagle", "ngram+draft")
@@ -50,6 +51,11 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()  # stop strings: the text ends right before the first one generated
     logprobs: int | None = None  # per emitted token, its log-probability and this many alternatives
+    # Constrained output (at most one; grammar.py): the output follows a JSON schema (a dict or JSON
+    # text), a regex, or a Lark grammar, and ends (EOS) only where the grammar accepts it.
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
@@ -73,10 +79,24 @@ class SamplingParams:
                 f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (alternatives per token), "
                 f"got {self.logprobs!r}"
             )
+        given = [kind for kind in KINDS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise BatchspecError(f"give at most one of json_schema, regex and grammar, got {' and '.join(given)}")
+        if given:
+            spec = Grammar.of(given[0], getattr(self, given[0]))  # checked here, kept in canonical form
+            object.__setattr__(self, given[0], spec.source)
+            if self.ignore_eos:
+                raise BatchspecError(f"ignore_eos cannot be combined with {given[0]}: the grammar decides where the output ends")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constraint(self) -> Grammar | None:
+        """The grammar the output must follow, or None."""
+        kind = next((kind for kind in KINDS if getattr(self, kind) is not None), None)
+        return None if kind is None else Grammar(kind, getattr(self, kind))
 
 
 @dataclass(frozen=True)

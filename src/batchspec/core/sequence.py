@@ -2,7 +2,8 @@
 
 Every tensor the engine builds (ids, masks, positions) is a view derived from `token_ids`; the
 caches hold keys/values for a prefix of it. `commit` is the only way tokens are added, and it is
-where per-row stopping (EOS inside an accepted run, `max_new_tokens`, the context) happens.
+where per-row stopping (EOS inside an accepted run, `max_new_tokens`, the context) happens, and
+where a constrained row's grammar state advances.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from .config import SamplingParams
+from .grammar import Matcher
 from .sampling import request_seed
 
 
@@ -39,14 +41,24 @@ class Sequence:
     output_len: int | None = None  # set when a stop string cuts the output short of token_ids
     noise: dict = field(default_factory=dict)  # sampling: Gumbel noise of uncommitted positions
     logprobs: list | None = field(init=False)  # one TokenLogprob per generated token, if params ask
+    matcher: Matcher | None = None  # the grammar's state (params' json_schema/regex/grammar): committed tokens only
 
     @classmethod
     def request(
-        cls, index: int, prompt_ids: list[int], params: SamplingParams, context: int, eos_ids: frozenset[int]
+        cls,
+        index: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        context: int,
+        eos_ids: frozenset[int],
+        matcher: Matcher | None = None,
     ) -> Sequence:
         """The sequence of one request (the one place a request becomes a Sequence): at most
         `params.max_new_tokens` new tokens within the model's `context`, no EOS ids when the request
-        ignores EOS, a sampled row's noise keyed by the request's seed (a fresh one when it has none)."""
+        ignores EOS, a sampled row's noise keyed by the request's seed (a fresh one when it has none),
+        and `matcher` (grammar.Compiler.matcher) when the request constrains its output."""
+        if (params.constraint is None) != (matcher is None):
+            raise ValueError("a request with a grammar needs its matcher, and only such a request has one")
         return cls(
             index=index,
             prompt_ids=list(prompt_ids),
@@ -54,6 +66,7 @@ class Sequence:
             eos_ids=frozenset() if params.ignore_eos else eos_ids,
             seed=None if params.greedy else request_seed(params.seed),
             params=params,
+            matcher=matcher,
         )
 
     def __post_init__(self) -> None:
@@ -93,6 +106,8 @@ class Sequence:
             if len(self.token_ids) >= self.max_len:
                 self._finish("length")
                 break
+        if self.matcher is not None:
+            self.matcher.advance(tokens[:kept])
         if num_accepted is not None:
             self.accepted_per_step.append(min(num_accepted, kept))
         return kept

@@ -1,7 +1,8 @@
 """The invariant checker (`check_invariants=True`, on in tests): after every step, each layout's
 structural invariants, then the one that needs the models: every row's cached keys/values equal
 those of a fresh, unbatched prefill of that row's tokens (within floating-point tolerance); for a
-draft head that reads the target's features, from the target's features of those tokens.
+draft head that reads the target's features, from the target's features of those tokens; and a
+constrained row's grammar state is that of its committed tokens.
 """
 
 from __future__ import annotations
@@ -44,6 +45,20 @@ def check_batch(batch, models: dict, adopted: tuple[str, ...] = ()) -> None:
             raise InvariantError(f"{role}: cache lags {sorted(lags)} behind the tokens")
         for b, (seq, n) in enumerate(zip(batch.seqs, counts)):
             _check_row(model, role, b, seq.token_ids[:n], batch.row_cache(role, b), models["target"], role in adopted)
+    for b, seq in enumerate(batch.seqs):
+        _check_grammar(b, seq)
+
+
+def _check_grammar(row: int, seq) -> None:
+    """A constrained row's grammar state has consumed its generated tokens, no more (no draft left
+    in it), and allows what a fresh matcher fed those tokens allows (rollbacks left nothing behind)."""
+    if seq.matcher is None:
+        return
+    committed = seq.token_ids[seq.prompt_len :]
+    if seq.matcher.tokens != committed:
+        raise InvariantError(f"row {row}: the grammar consumed {seq.matcher.tokens}, the row committed {committed}")
+    if not torch.equal(seq.matcher.mask(), seq.matcher.replayed().mask()):
+        raise InvariantError(f"row {row}: the grammar's mask differs from a fresh matcher fed the same tokens")
 
 
 @torch.inference_mode()

@@ -11,7 +11,9 @@ mixed batch greedy rows get one-hot distributions, so their pick is the argmax. 
 with the Gumbel noise of each token position under their seed (core/sampling.py): the target's pick at
 every verified position is fixed by the row's seed and tokens, and the step keeps the drafts that
 equal it, so a row's tokens depend on its seed alone, not on the batch it runs in or on how many
-drafts were verified (policy/speculation.py chooses that).
+drafts were verified (policy/speculation.py chooses that). A row with a grammar (core/grammar.py)
+picks among the tokens its grammar allows at each position: the target's logits are masked with
+the grammar state after the drafts leading to each column, and drafts it refuses are cut first.
 
 `Context.observe` sees every row right after its tokens are committed and before the batch
 retires finished rows: the output processor (stop strings, streaming) finishes rows there.
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import kv
-from ..core import acceptance, logprobs, tree
+from ..core import acceptance, grammar, logprobs, tree
 from ..core.sampling import RowParams, choose, greedy, probabilities, row_noise
 from ..core.sequence import Sequence, Status
 from ..core.stats import Stats
@@ -35,7 +37,7 @@ from ..layouts.padded import PaddedBatch
 from ..models.pair import ModelPair
 from ..policy.speculation import Fixed, Speculation, timed
 from ..proposers.base import Proposal, Proposer
-from .verify import accept, target_forward, verify
+from .verify import accept, checked, masks, target_forward, verify
 
 
 @dataclass
@@ -150,12 +152,15 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
     with stats.stage("draft"):
         proposal = _propose(ctx, batch, k, params, noise, started)
         drafts, limit = _chosen(policy, batch, proposal, started, ctx.device)
+        limit = checked(seqs, drafts, limit)
     step_start = timed(ctx.device)
     with stats.stage("verify"):
         verified = verify(ctx.target, batch, drafts, proposal, ctx.features)
     with stats.stage("accept"):
         choice = _pick(
-            verified.logits, params, None if noise is None else noise[:, verified.offsets().to(noise.device)]
+            grammar.apply(verified.logits, masks(seqs, verified, limit)),
+            params,
+            None if noise is None else noise[:, verified.offsets().to(noise.device)],
         )
         outcome, path = accept(batch, verified, choice, limit, ctx.accept, ctx.features)
         accepted = outcome.num_accepted.tolist()
@@ -228,7 +233,8 @@ def _first(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """logits [B, V] -> each row's first token, picked under the noise of its next position."""
     params = RowParams.of([s.params for s in seqs], logits.device)
     noise = None if params.greedy else row_noise(seqs, 1, logits.shape[-1], logits.device)
-    return _pick(logits[:, None], params, noise)[:, 0]
+    bits = grammar.row_masks(seqs, [[[]] for _ in seqs])
+    return _pick(grammar.apply(logits[:, None], bits), params, noise)[:, 0]
 
 
 def _pick(logits: torch.Tensor, params: RowParams, noise: torch.Tensor | None) -> torch.Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core import grammar
 from ..core import tree as trees
 from ..core.acceptance import Outcome
 from ..core.tree import Tree, restrict
@@ -73,6 +74,44 @@ def accept(
     outcome, path = trees.accept(verified.nodes, verified.tree, choice, limit)
     settle(batch, verified.fed, path, features)
     return outcome, path
+
+
+def checked(seqs: list, drafts: torch.Tensor, limit: torch.Tensor | None) -> torch.Tensor | None:
+    """drafts [B, w], limit [B] (None: w) -> each constrained row's limit cut at its first draft
+    the grammar refuses (it could never be kept: the masked target never picks it), so the layout
+    and the stats count only drafts that can be kept."""
+    if not grammar.constrained(seqs):
+        return limit
+    width = drafts.shape[1]
+    counts = [width] * len(seqs) if limit is None else limit.tolist()
+    rows = drafts.tolist()
+    cut = [n if s.matcher is None else s.matcher.valid(row[:n]) for s, row, n in zip(seqs, rows, counts)]
+    return torch.tensor(cut, dtype=torch.long, device=drafts.device)
+
+
+def masks(seqs: list, verified: Verified, limit: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, columns, W] int32: the grammar's mask at each logits column of `verified` (after the
+    drafts that lead to it: a chain's first i, a tree node's ancestry) for constrained rows,
+    all-allowed elsewhere and for free rows; None when no row has a grammar."""
+    if not grammar.constrained(seqs):
+        return None
+    columns = verified.logits.shape[1]
+    if verified.tree is None:
+        counts = [verified.width] * len(seqs) if limit is None else limit.tolist()
+        paths = [[row[:i] for i in range(n + 1)] for row, n in zip(verified.drafts.tolist(), counts)]
+    else:
+        paths = [_tree_paths(nodes, parent) for nodes, parent in zip(verified.nodes.tolist(), verified.tree.parent.tolist())]
+    bits = grammar.row_masks(seqs, paths)
+    return torch.nn.functional.pad(bits, (0, 0, 0, columns - bits.shape[1]), value=-1)
+
+
+def _tree_paths(nodes: list[int], parent: list[int]) -> list[list[int]]:
+    """One row's tree (tokens and parents, depth-major) -> the tokens from the root to each
+    column: the root's (none), then each node's ancestry and itself."""
+    paths: list[list[int]] = []
+    for token, up in zip(nodes, parent):
+        paths.append((paths[up] if up >= 0 else []) + [token])
+    return [[]] + paths
 
 
 def target_forward(target, batch: Layout, ids: torch.Tensor, features=None, last_only: bool = False) -> torch.Tensor:

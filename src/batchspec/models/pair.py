@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..cache import kv
-from ..core import diskcache
+from ..core import diskcache, grammar
 from ..core.errors import BatchspecError
 from ..distributed import tp
 from . import attention, compiled, lean, quant, sharding, support, vocab
@@ -48,6 +48,7 @@ class ModelPair:
     draft_copies_target: bool = False  # the draft is the target's own copy (--draft self): the same KV layout
     head: torch.nn.Module | None = None  # an EAGLE-style draft head (eagle.py), or None
     startup: dict = field(default_factory=dict)  # {"load_s", "weights"}: how the load went
+    _grammars: grammar.Compiler | None = field(default=None, repr=False)  # built on the first grammar
 
     @property
     def device(self) -> torch.device:
@@ -102,6 +103,19 @@ class ModelPair:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def matcher(self, params) -> grammar.Matcher | None:
+        """The grammar state a request with `params` starts from (SamplingParams.constraint), or
+        None for a free request. The grammar is compiled once per pair (grammar.Compiler's cache);
+        a grammar the tokenizer's vocabulary cannot follow raises BatchspecError."""
+        spec = params.constraint
+        if spec is None:
+            return None
+        if self.tokenizer is None:
+            raise BatchspecError(f"pair {self.name!r} has no tokenizer, which constrained output needs")
+        if self._grammars is None:
+            self._grammars = grammar.Compiler(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._grammars.matcher(spec)
 
 
 @dataclass(frozen=True)

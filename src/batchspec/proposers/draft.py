@@ -1,7 +1,8 @@
 """`DraftProposer`: a small causal LM with its own KV cache (role "draft" of the batch layout),
 optionally with a reduced-vocabulary head (`vocab_ids` maps head index -> full-vocabulary id; a
 `GrowingHead` learns its ids from every token the draft is fed), and drafting a tree (core/tree.py)
-when `branches` has more than one node at some depth."""
+when `branches` has more than one node at some depth. A chain's drafts follow each constrained
+row's grammar (grammar.DraftGuide); a tree's are not masked (verification masks every node)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from functools import partial
 
 import torch
 
+from ..core import grammar
 from ..core.sampling import RowParams, choose, greedy, probabilities
 from ..core.tree import Tree, depth_widths, is_tree, limit_view
 from ..layouts.base import Layout
@@ -56,13 +58,21 @@ class DraftProposer(Proposer):
         logits, carry = self._feed(batch, batch.pending(self.role))
         mark = batch.mark(self.role) if self.rewinds else None
         drafts, bins = [], []
-        for i in range(k):
-            token, confidence = self._pick(logits[:, -1], params, None if noise is None else noise[:, i])
-            drafts.append(token)
-            bins.append((confidence * self.bins).long().clamp(max=self.bins - 1))
-            if i == k - 1 or (stop is not None and stop(i, torch.stack(bins, dim=1))):
-                break
-            logits, carry = self._feed(batch, token[:, None], carry)
+        guide = grammar.DraftGuide(batch.seqs) if grammar.constrained(batch.seqs) else None
+        try:
+            for i in range(k):
+                last = logits[:, -1] if guide is None else guide.mask(logits[:, -1], self.vocab_ids)
+                token, confidence = self._pick(last, params, None if noise is None else noise[:, i])
+                drafts.append(token)
+                bins.append((confidence * self.bins).long().clamp(max=self.bins - 1))
+                if i == k - 1 or (stop is not None and stop(i, torch.stack(bins, dim=1))):
+                    break
+                if guide is not None:
+                    guide.advance(token)
+                logits, carry = self._feed(batch, token[:, None], carry)
+        finally:
+            if guide is not None:
+                guide.close()
         if self.rewinds:
             batch.rewind(self.role, mark)
         return Proposal(torch.stack(drafts, dim=1), signal=torch.stack(bins, dim=1))

@@ -3,7 +3,8 @@
 Deliberately plain: no padding, no masks, no position ids (the model counts them from the cache),
 one token per forward. Greedy takes the argmax; sampling picks with the Gumbel noise of the token's
 position under the request's seed (sampling.py), as every method does, so all of them agree with it
-token for token under a seed. Every other method is tested against this.
+token for token under a seed. A request with a grammar picks among the tokens its grammar allows
+next (the masked logits). Every other method is tested against this.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import kv
-from ..core import logprobs
+from ..core import grammar, logprobs
 from ..core.sampling import choose, greedy, probabilities, row_noise
 from ..core.sequence import Sequence
 from ..engine.step import Context
@@ -26,11 +27,12 @@ def generate_one(target, seq: Sequence, observe=None) -> None:
     ids = torch.tensor([seq.token_ids], device=target.device)
     while True:
         logits = target(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        allowed = logits if seq.matcher is None else grammar.apply(logits, seq.matcher.mask())
         if params.greedy:
-            token = int(greedy(logits))
+            token = int(greedy(allowed))
         else:
             noise = row_noise([seq], 1, logits.shape[-1], logits.device)[:, 0]
-            token = int(choose(probabilities(logits, params), noise))
+            token = int(choose(probabilities(allowed, params), noise))
         logprobs.record([seq], logits[:, None], [[0] * seq.commit([token])])
         if observe is not None:
             observe([seq])
