@@ -185,9 +185,9 @@ def test_a_body_that_is_not_json_is_415(server, kind):
         (True, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice", []),
         (
             True,
-            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
             "response_format",
-            ["not supported"],
+            ["'response_format.type' must be 'text', 'json_object' or 'json_schema'"],
         ),
         (True, {"messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]}, "modalities", []),
         (

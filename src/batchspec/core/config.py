@@ -86,7 +86,9 @@ class SamplingParams:
             spec = Grammar.of(given[0], getattr(self, given[0]))  # checked here, kept in canonical form
             object.__setattr__(self, given[0], spec.source)
             if self.ignore_eos:
-                raise BatchspecError(f"ignore_eos cannot be combined with {given[0]}: the grammar decides where the output ends")
+                raise BatchspecError(
+                    f"ignore_eos cannot be combined with {given[0]}: the grammar decides where the output ends"
+                )
 
     @property
     def greedy(self) -> bool:

@@ -8,6 +8,9 @@ per chat, `MAX_PROMPTS` choices (prompts x `n`). No field is ignored: a request 
 (`SERVED`), bookkeeping that changes no output (`NO_EFFECT`: `user`, `metadata`, `store`,
 `service_tier`), and the fields of `UNSERVED` (`logit_bias`, `echo`, penalties, `tools`, ...)
 only at their neutral values; anything else gets a 400 naming the field.
+Structured output: `response_format` (`text`, `json_object`, `json_schema`) and the extension
+`structured_outputs` (one of `json`, `regex`, `grammar` (Lark), as vLLM names them) constrain a
+choice's output (core/grammar.py); a schema or grammar the engine cannot compile is a 400 naming it.
 Extensions: `top_k` and `ignore_eos` in requests (as vLLM); `"batchspec": {"token_ids", "steps", "accepted_drafts",
 "proposed_drafts"}` in responses (per chunk: the chunk's `token_ids`).
 """
@@ -42,11 +45,10 @@ UNSERVED = {
     "repetition_penalty": (1,),
     "tools": ([],),
     "functions": ([],),
-    "response_format": ({"type": "text"},),
 }
 #: Fields served, by endpoint (chat: True).
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n"}
-_COMMON |= {"stream", "stream_options", "logprobs"}
+_COMMON |= {"stream", "stream_options", "logprobs", "response_format", "structured_outputs"}
 SERVED = {True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}, False: _COMMON | {"prompt"}}
 #: Bookkeeping fields that change nothing a server returns (accepted, not stored).
 NO_EFFECT = {"user", "metadata", "store", "service_tier"}
@@ -77,6 +79,7 @@ class Job:
     include_usage: bool
     model: str | None
     n: int = 1  # choices per prompt: choice j of prompt i has index i * n + j and seed `seed + j`
+    constraint_field: str | None = None  # the field that gave params' grammar (errors name it)
 
     @property
     def logprobs(self) -> bool:
@@ -115,12 +118,13 @@ def parse_job(body, chat: bool) -> Job:
     )
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest(f"'max_tokens' must be an integer >= 1, got {max_tokens}", "max_tokens")
-    params = _parse_sampling(body, chat)
+    constraint, where = _parse_constraint(body)
+    params = _parse_sampling(body, chat, constraint, where)
     stream = _get(body, "stream", (bool,), False, "a boolean")
     options = _get(body, "stream_options", (dict,), {}, "an object")
     include_usage = _get(options, "include_usage", (bool,), False, "a boolean")
     model = _get(body, "model", (str,), None, "a string")
-    return Job(chat, prompts, max_tokens, params, stream, include_usage, model, n)
+    return Job(chat, prompts, max_tokens, params, stream, include_usage, model, n, where)
 
 
 def _refuse_unserved(body: dict, chat: bool) -> None:
@@ -163,7 +167,7 @@ def _parse_logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _parse_sampling(body: dict, chat: bool) -> SamplingParams:
+def _parse_sampling(body: dict, chat: bool, constraint: dict, where: str | None) -> SamplingParams:
     temperature = _get(body, "temperature", (int, float), 1.0, "a number in [0, 2]")
     if not 0 <= temperature <= 2:
         raise BadRequest(f"'temperature' must be in [0, 2], got {temperature}", "temperature")
@@ -183,15 +187,55 @@ def _parse_sampling(body: dict, chat: bool) -> SamplingParams:
     if longest := max((len(s) for s in stop if len(s) > MAX_STOP_CHARS), default=0):
         raise BadRequest(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}", "stop")
     ignore_eos = _get(body, "ignore_eos", (bool,), False, "a boolean")
-    return SamplingParams(
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=min(max(top_k, 0), TOP_K_CAP),
-        seed=seed,
-        stop=tuple(stop),
-        ignore_eos=ignore_eos,
-        logprobs=_parse_logprobs(body, chat),
-    )
+    try:
+        return SamplingParams(
+            temperature=float(temperature),
+            top_p=float(top_p),
+            top_k=min(max(top_k, 0), TOP_K_CAP),
+            seed=seed,
+            stop=tuple(stop),
+            ignore_eos=ignore_eos,
+            logprobs=_parse_logprobs(body, chat),
+            **constraint,
+        )
+    except BatchspecError as err:  # only the constraint is left unchecked here
+        raise BadRequest(str(err), "ignore_eos" if "ignore_eos" in str(err) else where) from None
+
+
+#: `structured_outputs` keys -> SamplingParams fields.
+STRUCTURED = {"json": "json_schema", "regex": "regex", "grammar": "grammar"}
+
+
+def _parse_constraint(body: dict) -> tuple[dict, str | None]:
+    """(SamplingParams keywords of the request's constraint, the field that gave it): from
+    `response_format` or `structured_outputs`, at most one of them."""
+    fmt = _get(body, "response_format", (dict,), {"type": "text"}, "an object")
+    ext = _get(body, "structured_outputs", (dict,), {}, "an object")
+    kind = fmt.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        what = "'text', 'json_object' or 'json_schema'"
+        raise BadRequest(f"'response_format.type' must be {what}, got {_brief(kind)}", "response_format")
+    if kind != "text" and ext:
+        raise BadRequest("give either 'response_format' or 'structured_outputs', not both", "structured_outputs")
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}, "response_format"
+    if kind == "json_schema":
+        spec = _get(fmt, "json_schema", (dict,), None, "an object")
+        if spec is None or not isinstance(spec.get("name"), str):
+            raise BadRequest("'response_format.json_schema' needs a 'name' (a string)", "response_format.json_schema")
+        _get(spec, "strict", (bool,), False, "a boolean")  # checked; the schema is always enforced
+        schema = _get(spec, "schema", (dict,), {}, "an object")
+        return {"json_schema": schema}, "response_format.json_schema.schema"
+    unknown = sorted(set(ext) - set(STRUCTURED))
+    if unknown:
+        raise BadRequest(
+            f"'structured_outputs' has no field '{unknown[0]}' (known: json, regex, grammar)", "structured_outputs"
+        )
+    given = {STRUCTURED[key]: value for key, value in ext.items() if value is not None}
+    if len(given) > 1:
+        raise BadRequest("'structured_outputs' takes one of json, regex and grammar", "structured_outputs")
+    where = next((f"structured_outputs.{key}" for key in ext if ext[key] is not None), None)
+    return given, where
 
 
 def _parse_prompts(body: dict) -> list:

@@ -120,7 +120,20 @@ class Service:
             )
         seed = job.params.seed + index % job.n if job.params.seed is not None else None
         params = SamplingParams(**{**job.params.__dict__, "max_new_tokens": max_tokens, "seed": seed})
-        return Sequence.request(index, ids, params, self.context, self.pair.eos_ids)
+        return Sequence.request(index, ids, params, self.context, self.pair.eos_ids, self.matcher(job, params))
+
+    def matcher(self, job: api.Job, params: SamplingParams):
+        """The request's grammar state (None when free); a grammar the engine cannot compile, or
+        one under tensor parallelism (its ranks would need one each), is a 400."""
+        if params.constraint is None:
+            return None
+        where = job.constraint_field
+        if tp.active():
+            raise api.BadRequest("structured output is not served under --tp", where)
+        try:
+            return self.pair.matcher(params)
+        except BatchspecError as err:
+            raise api.BadRequest(str(err), where) from None
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -228,7 +241,11 @@ async def serve(service: Service, request: Request, chat: bool):
                 "model_not_found",
             )
         encoded = [service.encode(job, p) for p in job.prompts]
-        seqs = [service.sequence(job, ids, i * job.n + j) for i, ids in enumerate(encoded) for j in range(job.n)]
+        choices = [(ids, i * job.n + j) for i, ids in enumerate(encoded) for j in range(job.n)]
+        if job.params.constraint is None:
+            seqs = [service.sequence(job, ids, index) for ids, index in choices]
+        else:  # a grammar compiles in a worker thread, not on the event loop
+            seqs = await asyncio.to_thread(lambda: [service.sequence(job, ids, index) for ids, index in choices])
         chunks: asyncio.Queue[tuple[int, Chunk]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         handles = [EngineRequest(seq, _emitter(loop, chunks, i)) for i, seq in enumerate(seqs)]
