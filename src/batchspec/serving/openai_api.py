@@ -187,6 +187,7 @@ def _parse_sampling(body: dict, chat: bool, constraint: dict, where: str | None)
     if longest := max((len(s) for s in stop if len(s) > MAX_STOP_CHARS), default=0):
         raise BadRequest(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}", "stop")
     ignore_eos = _get(body, "ignore_eos", (bool,), False, "a boolean")
+    logprobs = _parse_logprobs(body, chat)
     try:
         return SamplingParams(
             temperature=float(temperature),
@@ -195,7 +196,7 @@ def _parse_sampling(body: dict, chat: bool, constraint: dict, where: str | None)
             seed=seed,
             stop=tuple(stop),
             ignore_eos=ignore_eos,
-            logprobs=_parse_logprobs(body, chat),
+            logprobs=logprobs,
             **constraint,
         )
     except BatchspecError as err:  # only the constraint is left unchecked here
