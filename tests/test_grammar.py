@@ -209,3 +209,19 @@ def test_compiled_grammars_are_cached_and_bounded(one_layer):
     compiler.matcher(specs[1])
     compiler.matcher(specs[2])
     assert list(compiler._compiled) == specs[1:]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "eagle", "ngram+draft", "draft"])
+def test_jump_forward_drafts_the_forced_keys_and_counts_them(one_layer, proposer):
+    prompts = random_prompts(4, 4, 1, 30)
+    params = [SamplingParams(max_new_tokens=40, json_schema=SCHEMA)] * 4
+    want, _ = _tokens(one_layer, prompts, params, method="reference", check=False)
+    got, dec = _tokens(one_layer, prompts, params, method="ragged", batch_size=4, k=4, proposer=proposer)
+    assert got == want
+    forced = dec.stats.summary()["forced_tokens"]
+    if proposer == "draft":  # its cache keeps its drafts: they are masked, and start with the forced run
+        assert forced == 0 and dec.stats.summary()["mean_accepted"] > 1
+    elif proposer == "ngram+draft":  # the masked draft model proposes most forced runs itself
+        assert forced >= 1 and "jump-forward" in dec.stats.line()
+    else:
+        assert forced >= 4 * 4 and "jump-forward" in dec.stats.line()  # '"id": ' at least, per row

@@ -28,6 +28,7 @@ class Stats:
     accepted_hist: Counter = field(default_factory=Counter)
     proposed_drafts: int = 0  # draft tokens offered to rows (accepted ones: accepted_hist)
     chosen_k: Counter = field(default_factory=Counter)  # drafts verified per row per step: {k_i: count}
+    forced_tokens: int = 0  # drafts a grammar forced (jump-forward, engine/jump.py): no proposer call
     extra: dict = field(default_factory=dict)  # method-specific (e.g. EXSPEC's group_rate)
 
     def _now(self) -> float:
@@ -91,6 +92,7 @@ class Stats:
             "mean_batch_occupancy": self.row_steps / self.steps if self.steps else 0.0,
             "accepted_histogram": {str(a): n for a, n in sorted(self.accepted_hist.items())},
             "chosen_k_histogram": {str(k): n for k, n in sorted(self.chosen_k.items())},
+            "forced_tokens": self.forced_tokens,
             "time_s": dict(self.stage_s),
             "time_share": shares,
             **self.extra,
@@ -104,6 +106,8 @@ class Stats:
             f"{s['tokens']} tokens in {s['wall_s']:.2f}s = {s['tokens_per_s']:.1f} tok/s | "
             f"{s['mean_tokens_per_step']:.2f} tokens/step, mean accepted {s['mean_accepted']:.2f} | {share}"
         )
+        if self.forced_tokens:
+            line += f" | jump-forward {self.forced_tokens} tokens"
         return line + startup_text(s.get("startup", {}))
 
 

@@ -37,6 +37,7 @@ from ..layouts.padded import PaddedBatch
 from ..models.pair import ModelPair
 from ..policy.speculation import Fixed, Speculation, timed
 from ..proposers.base import Proposal, Proposer
+from .jump import forced_drafts
 from .verify import accept, checked, masks, target_forward, verify
 
 
@@ -153,6 +154,9 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
         proposal = _propose(ctx, batch, k, params, noise, started)
         drafts, limit = _chosen(policy, batch, proposal, started, ctx.device)
         limit = checked(seqs, drafts, limit)
+        drafts, limit, learned, forced = forced_drafts(ctx, seqs, drafts, limit, proposal)
+        if noise is not None and noise.shape[1] < drafts.shape[1] + 1:  # forced drafts reach further
+            noise = row_noise(seqs, drafts.shape[1] + 1, ctx.target.config.vocab_size, ctx.device)
     step_start = timed(ctx.device)
     with stats.stage("verify"):
         verified = verify(ctx.target, batch, drafts, proposal, ctx.features)
@@ -168,11 +172,13 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
         if any(seq.logprobs is not None for seq in seqs):  # cheap when no row asks
             logprobs.record(seqs, verified.logits, _columns(kept, accepted, path))
         stats.record_verified(seqs, kept, verified.width, limit)
+        if forced is not None:
+            stats.forced_tokens += int(torch.minimum(forced, outcome.num_accepted.cpu()).sum())
     if ctx.observe is not None:
         ctx.observe(seqs)
     with stats.stage("realign"):
         finished = batch.realign()
-    policy.observe(seqs, proposal, verified.width, accepted, step_start - started, timed(ctx.device) - step_start, span)
+    policy.observe(seqs, learned, verified.width, accepted, step_start - started, timed(ctx.device) - step_start, span)
     _after(ctx, batch, finished)
     return finished
 

@@ -53,6 +53,7 @@ class Proposer(Protocol):
     # Its model is the target's own copy (same layers and heads: --draft self): its cache may start
     # from the target's entries instead of a prefill of its own (the ragged layout's `warm`).
     kv_from_target: bool = False
+    rewinds: bool = False  # its cache keeps none of its drafts after a proposal (they may be replaced)
 
     def propose(
         self, batch: Layout, k: int, params: RowParams, noise: torch.Tensor | None, stop: StopRule | None = None

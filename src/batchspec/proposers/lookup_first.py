@@ -29,7 +29,7 @@ class LookupFirst(Proposer):
     model's guesses count where the lookup's break, and continue it past its end."""
 
     def __init__(self, model_proposer: DraftProposer, lookup: NgramProposer, min_match: int = MIN_MATCH):
-        model_proposer.rewinds = True
+        model_proposer.rewinds = self.rewinds = True
         self.inner, self.lookup, self.min_match = model_proposer, lookup, min_match
         self.role, self.model = model_proposer.role, model_proposer.model
         self.branches = model_proposer.branches
