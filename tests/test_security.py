@@ -181,8 +181,8 @@ def test_a_body_that_is_not_json_is_415(server, kind):
             "top_logprobs",
             ["in [0, 20]"],
         ),
-        (True, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", []),
-        (True, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice", []),
+        (True, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]", []),
+        (True, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice", ["needs"]),
         (
             True,
             {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},

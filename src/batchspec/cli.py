@@ -197,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep each token's log-probability under the target and its N likeliest alternatives "
         "(0..20): the mean is printed, every entry goes to --json",
     )
+    shape = gen.add_argument_group("structured output (one of them; every prompt's output follows it)")
+    shape.add_argument(
+        "--json-schema", metavar="FILE", help="a JSON schema file: the output is a JSON value it accepts"
+    )
+    shape.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    shape.add_argument("--grammar", metavar="FILE", help="a Lark grammar file: the output is a sentence of it")
     correct = ",".join(m for m in methods.names(include_broken=False) if methods.get(m).speculative)
     verify = _comparison(
         sub, "verify", "compare methods with the target alone and explain every divergence", correct, cmd_verify
@@ -442,7 +448,27 @@ def sampling_params(args) -> SamplingParams:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         logprobs=getattr(args, "logprobs", None),
+        **constraint(args),
     )
+
+
+def constraint(args) -> dict:
+    """SamplingParams' constraint from --json-schema FILE, --regex or --grammar FILE (generate)."""
+    given = [(flag, getattr(args, flag, None)) for flag in ("json_schema", "regex", "grammar")]
+    given = [(flag, value) for flag, value in given if value is not None]
+    if len(given) > 1:
+        raise BatchspecError("give one of --json-schema, --regex and --grammar")
+    if not given:
+        return {}
+    flag, value = given[0]
+    if flag == "regex":
+        return {"regex": value}
+    try:
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as err:
+        raise BatchspecError(f"--{flag.replace('_', '-')} {value}: {err.strerror}") from None
+    return {flag: text}
 
 
 def engine_options(args) -> dict:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from ..core.config import SamplingParams
 from ..core.errors import BatchspecError
 from ..core.logprobs import MAX_LOGPROBS
+from . import tools as tools_api
 
 #: Stop strings per request (OpenAI's limit) and characters per stop string (streaming holds back
 #: that many characters at the end of the text, in case a stop string begins there).
@@ -43,13 +44,13 @@ UNSERVED = {
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
     "repetition_penalty": (1,),
-    "tools": ([],),
     "functions": ([],),
 }
 #: Fields served, by endpoint (chat: True).
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n"}
 _COMMON |= {"stream", "stream_options", "logprobs", "response_format", "structured_outputs"}
-SERVED = {True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}, False: _COMMON | {"prompt"}}
+_TOOLS = {"tools", "tool_choice", "parallel_tool_calls"}
+SERVED = {True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | _TOOLS, False: _COMMON | {"prompt"}}
 #: Bookkeeping fields that change nothing a server returns (accepted, not stored).
 NO_EFFECT = {"user", "metadata", "store", "service_tier"}
 
@@ -80,6 +81,7 @@ class Job:
     model: str | None
     n: int = 1  # choices per prompt: choice j of prompt i has index i * n + j and seed `seed + j`
     constraint_field: str | None = None  # the field that gave params' grammar (errors name it)
+    tools: tools_api.Tools | None = None  # chat: the tools offered, and how they may be called
 
     @property
     def logprobs(self) -> bool:
@@ -119,12 +121,24 @@ def parse_job(body, chat: bool) -> Job:
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest(f"'max_tokens' must be an integer >= 1, got {max_tokens}", "max_tokens")
     constraint, where = _parse_constraint(body)
+    tools = _parse_tools(body) if chat else None
+    if tools is not None and tools.forced:  # one call of an allowed tool: a grammar
+        if constraint:
+            raise BadRequest(f"'tool_choice' {tools.choice!r} constrains the output: remove '{where}'", "tool_choice")
+        constraint, where = {"grammar": tools.grammar()}, "tools"
     params = _parse_sampling(body, chat, constraint, where)
     stream = _get(body, "stream", (bool,), False, "a boolean")
     options = _get(body, "stream_options", (dict,), {}, "an object")
     include_usage = _get(options, "include_usage", (bool,), False, "a boolean")
     model = _get(body, "model", (str,), None, "a string")
-    return Job(chat, prompts, max_tokens, params, stream, include_usage, model, n, where)
+    return Job(chat, prompts, max_tokens, params, stream, include_usage, model, n, where, tools)
+
+
+def _parse_tools(body: dict) -> tools_api.Tools | None:
+    try:
+        return tools_api.parse(body)
+    except tools_api.ToolError as err:
+        raise BadRequest(str(err), err.param) from None
 
 
 def _refuse_unserved(body: dict, chat: bool) -> None:
@@ -278,8 +292,31 @@ def _parse_messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}].role")
-        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
+        calls = _tool_calls(m, i)
+        content = None if calls and m.get("content") is None else _content(m.get("content"), i)
+        message = {"role": m["role"], "content": content} | ({"tool_calls": calls} if calls else {})
+        if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
+
+
+def _tool_calls(message: dict, i: int) -> list[dict] | None:
+    """An assistant message's earlier `tool_calls`, checked: [{id, type, function: {name, arguments}}]."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return None
+    where = f"messages[{i}].tool_calls"
+    ok = isinstance(calls, list) and message.get("role") == "assistant"
+    for c in calls if ok else ():
+        f = c.get("function") if isinstance(c, dict) else None
+        ok = ok and isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("arguments"), str)
+    if not ok:
+        raise BadRequest(
+            f"'{where}' must be an assistant's list of {{'type': 'function', 'function': {{'name', 'arguments'}}}}",
+            where,
+        )
+    return [{"id": c.get("id", ""), "type": "function", "function": dict(c["function"])} for c in calls]
 
 
 def _content(content, i: int) -> str:
@@ -348,7 +385,11 @@ def response(job: Job, rid: str, model: str, outputs: list[tuple], use: dict) ->
     choices = []
     for index, (text, finish, extension, logprobs) in enumerate(outputs):
         if job.chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": text}}
+            content, calls = job.tools.split(text) if job.tools is not None and job.tools.calls else (text, [])
+            choice = {"index": index, "message": {"role": "assistant", "content": content}}
+            if calls:
+                choice["message"]["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
         else:
             choice = {"index": index, "text": text}
         choice |= {"logprobs": logprobs, "finish_reason": finish}
@@ -376,11 +417,14 @@ def chunk(
     role: bool = False,
     index: int = 0,
     logprobs: dict | None = None,
+    calls: list[dict] | None = None,
 ) -> dict:
     """One stream chunk carrying choice `index`'s `text` (chat: a delta; `role` adds the
-    assistant role) and the `logprobs` body of its tokens."""
+    assistant role; `calls`: its tool calls, whole) and the `logprobs` body of its tokens."""
     if job.chat:
         delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}

@@ -45,6 +45,7 @@ from ..policy.speculation import prepare
 from ..proposers.make import make_proposer
 from . import access
 from . import openai_api as api
+from . import tools as tools_api
 from .config import ServeConfig
 from .metrics import EngineCollector
 
@@ -93,7 +94,7 @@ class Service:
         with self.lock:
             try:
                 if job.chat:
-                    return chat_ids(self.pair.tokenizer, prompt)
+                    return chat_ids(self.pair.tokenizer, prompt, job.tools)
                 return self.pair.encode(prompt, chat_template=False)
             except (BatchspecError, *TEMPLATE_ERRORS) as err:
                 raise api.BadRequest(str(err), "messages" if job.chat else "prompt") from None
@@ -136,10 +137,13 @@ class Service:
             raise api.BadRequest(str(err), where) from None
 
 
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Messages through the tokenizer's chat template; without one, 'role: content' lines."""
+def chat_ids(tokenizer, messages: list[dict], tools: tools_api.Tools | None = None) -> list[int]:
+    """Messages (and the tools offered) through the tokenizer's chat template; without one,
+    'role: content' lines (tools.render writes tools into the messages where the template
+    takes none)."""
+    messages, specs = tools_api.render(messages, tools, tools_api.supports_tools(tokenizer))
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(messages, tools=specs, add_generation_prompt=True, tokenize=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
     return tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -344,6 +348,7 @@ async def _stream(service: Service, job, handles, chunks: asyncio.Queue, rid: st
     `index`), a final one per choice with its finish_reason, then the usage, then [DONE]."""
     name, counts, left = service.model_name, [0] * len(handles), len(handles)
     offsets = [0] * len(handles)  # characters of each choice's tokens so far (completions' text_offset)
+    calls = [tools_api.Stream(job.tools) for _ in handles] if job.tools is not None and job.tools.calls else None
     try:
         for index in range(len(handles)) if job.chat else ():  # each choice's first delta names the role
             yield _sse(api.chunk(job, rid, name, "", None, role=True, index=index))
@@ -358,9 +363,16 @@ async def _stream(service: Service, job, handles, chunks: asyncio.Queue, rid: st
                 logprobs = service.logprobs(job, chunk.logprobs, offsets[index])
                 if logprobs is not None and not job.chat:
                     offsets[index] += sum(map(len, logprobs["tokens"]))
-                yield _sse(api.chunk(job, rid, name, chunk.text, None, extension, index=index, logprobs=logprobs))
+                text = chunk.text if calls is None else calls[index].feed(chunk.text) or None
+                yield _sse(api.chunk(job, rid, name, text, None, extension, index=index, logprobs=logprobs))
             if chunk.finish_reason is not None:
-                yield _sse(api.chunk(job, rid, name, None if job.chat else "", chunk.finish_reason, index=index))
+                finish = chunk.finish_reason
+                if calls is not None:  # what was held back: content, and the calls whole
+                    content, made = calls[index].finish()
+                    if content is not None or made:
+                        yield _sse(api.chunk(job, rid, name, content, None, index=index, calls=made))
+                    finish = "tool_calls" if made and finish == "stop" else finish
+                yield _sse(api.chunk(job, rid, name, None if job.chat else "", finish, index=index))
                 left -= 1
         if not left and job.include_usage:
             use = api.usage(sum(h.seq.prompt_len for h in handles), sum(counts))
