@@ -10,6 +10,11 @@
    turned off: tokens per step and forced tokens.
 
     python experiments/structured_serve.py [--json docs/bench/structured_serve.json]
+    python experiments/structured_serve.py --extras [--json docs/bench/structured_extras.json]
+
+3. (--extras) `response_format={"type": "json_object"}` and `tool_choice="required"` with two
+   tools, 8 requests each, 8 at a time: every answer a JSON object; every answer a call whose
+   arguments validate against the chosen tool's schema.
 """
 
 from __future__ import annotations
@@ -142,8 +147,14 @@ def start_server(port: int) -> tuple[subprocess.Popen, object]:
     raise TimeoutError("the server did not come up")
 
 
-async def run_all(client, reqs, concurrency: int, constrained: bool) -> tuple[list, float]:
+def _client(port: int) -> openai.AsyncOpenAI:
+    """A client per event loop (asyncio.run closes the loop its connections live on)."""
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+
+
+async def run_all(port: int, reqs, concurrency: int, constrained: bool) -> tuple[list, float]:
     gate = asyncio.Semaphore(concurrency)
+    client = _client(port)
 
     async def one(kind, message):
         extra = {}
@@ -159,16 +170,16 @@ async def run_all(client, reqs, concurrency: int, constrained: bool) -> tuple[li
             )
 
     start = time.perf_counter()
-    out = await asyncio.gather(*(one(kind, message) for kind, message in reqs))
+    async with client:
+        out = await asyncio.gather(*(one(kind, message) for kind, message in reqs))
     return out, time.perf_counter() - start
 
 
 def served(port: int, reqs) -> dict:
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
     results = {}
     for concurrency in (8, 1):
         for constrained in (True, False):
-            outs, wall = asyncio.run(run_all(client, reqs, concurrency, constrained))
+            outs, wall = asyncio.run(run_all(port, reqs, concurrency, constrained))
             tokens = sum(o.usage.completion_tokens for o in outs)
             steps = sum(o.model_extra["batchspec"]["steps"] for o in outs)
             key = f"C{concurrency}_{'schema' if constrained else 'free'}"
@@ -185,6 +196,102 @@ def served(port: int, reqs) -> dict:
                 ]
             print(key, results[key], flush=True)
     return results
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": TEXT, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CONVERT = {
+    "type": "function",
+    "function": {
+        "name": "convert_currency",
+        "description": "Convert an amount between currencies.",
+        "parameters": {
+            "type": "object",
+            "properties": {"amount": {"type": "number"}, "source": TEXT, "target": TEXT},
+            "required": ["amount", "source", "target"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOL_QUESTIONS = [
+    "What's the weather in Paris right now?",
+    "How many yen is 50 dollars?",
+    "Is it raining in Lima?",
+    "Convert 20 euros to pounds.",
+    "Temperature in Oslo in fahrenheit?",
+    "What are 100 francs in dollars?",
+    "Should I take an umbrella in London today?",
+    "How much is 7 pounds in euros?",
+]
+OBJECT_QUESTIONS = [
+    f"Describe {s} as a JSON object."
+    for s in ("a cat", "the Moon", "a bicycle", "Python", "a sandwich", "Mars", "a violin", "a forest")
+]
+
+
+def extras(port: int) -> dict:
+    """json_object: every answer is a JSON object; tool_choice=required with two tools: every
+    answer carries a call whose arguments validate against the chosen tool's schema (8 each, 8 at a time)."""
+    client = _client(port)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CONVERT)}
+
+    async def ask(**kw):
+        return await client.chat.completions.create(model="default", max_tokens=MAX_TOKENS, temperature=0, **kw)
+
+    async def both():
+        objects = [
+            ask(messages=[{"role": "user", "content": q}], response_format={"type": "json_object"})
+            for q in OBJECT_QUESTIONS
+        ]
+        calls = [
+            ask(messages=[{"role": "user", "content": q}], tools=[WEATHER, CONVERT], tool_choice="required")
+            for q in TOOL_QUESTIONS
+        ]
+        return await asyncio.gather(*objects), await asyncio.gather(*calls)
+
+    objects, calls = asyncio.run(both())
+    parsed = 0
+    for o in objects:
+        try:
+            parsed += isinstance(json.loads(o.choices[0].message.content), dict)
+        except ValueError:
+            pass
+    valid, made = 0, []
+    for o in calls:
+        tool_calls = o.choices[0].message.tool_calls or []
+        for c in tool_calls[:1]:
+            made.append({"name": c.function.name, "arguments": c.function.arguments})
+            try:
+                jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+                valid += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+    out = {
+        "json_object": {
+            "requests": len(objects),
+            "json_objects": parsed,
+            "answers": [o.choices[0].message.content for o in objects],
+        },
+        "tools_required": {
+            "requests": len(calls),
+            "valid_calls": valid,
+            "calls": made,
+            "finish_reasons": [o.choices[0].finish_reason for o in calls],
+        },
+    }
+    print(json.dumps(out)[:2000], flush=True)
+    return out
 
 
 def check(pair, reqs, answers) -> dict:
@@ -228,6 +335,7 @@ def offline(pair, reqs) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--extras", action="store_true", help="only the json_object and tool-call checks")
     args = parser.parse_args()
     reqs = requests()
     with socket.socket() as s:
@@ -235,10 +343,15 @@ def main() -> None:
         port = s.getsockname()[1]
     proc, log = start_server(port)
     try:
-        results = served(port, reqs)
+        results = extras(port) if args.extras else served(port, reqs)
     finally:
         proc.terminate()
         proc.wait(60)
+    if args.extras:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"max_tokens": MAX_TOKENS, "tools": [WEATHER, CONVERT], **results}, f, indent=1)
+        return
     pair = load_pair("default")
     results["check"] = check(pair, reqs, results.pop("answers"))
     print(results["check"], flush=True)

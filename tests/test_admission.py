@@ -1,7 +1,8 @@
 """Admission's chunk (admission.py): the prefill cost fit recovers a + b n, the chunk is the prefill
 that costs `share` decode steps (never below the size where the fixed part dominates), and it
 grows with the rows left idle for want of admission; a wave of prompts gets its first tokens
-forward by forward."""
+forward by forward; with a longest gap set, a burst of long prompts never holds a running row
+longer than the gap allows."""
 
 from __future__ import annotations
 
@@ -99,3 +100,52 @@ def test_a_wave_of_prompts_gets_its_first_tokens_group_by_group(tiny64, monkeypa
     assert handed_out == [[0, 1, 2], [3, 4, 5]]  # 40 + 40 + 40 >= 100 tokens: a forward of three
     loop.run()
     assert [s.generated for s in seqs] == reference_tokens(tiny64, prompts, 12)
+
+
+def test_a_longest_gap_bounds_every_chunk_idle_rows_or_not():
+    adm = Admission(ctx=None, share=1.0, max_gap_s=0.5)
+    for n in (16, 64, 256, 1024):
+        adm.cost.observe(n, 0.05 + 0.001 * n)
+    adm.observe_step(0.2)
+    assert adm.chunk(running=8, idle=0) == 150  # the share's chunk is the smaller
+    assert adm.chunk(running=1, idle=7) == 250  # (0.5 - 0.2 - 0.05) / 0.001, where it was unbounded
+    adm.max_gap_s = 0.1  # less than a step and the fixed part: the least chunk worth a forward
+    assert adm.chunk(running=8, idle=8) == 50
+    assert Admission(ctx=None, max_gap_s=0.5).chunk(1, 4) == Admission(ctx=None).first_chunk  # nothing timed yet
+
+
+def _burst(pair, max_gap_s):
+    """One running row, then six prompts of 100 tokens at once; the prompt tokens each iteration
+    prefilled while the running row was waiting for its step (a fixed cost model: 1 ms a token,
+    10 ms a step), and the outputs."""
+    dec = SpecDecoder(pair, method="ragged", k=3)
+    ctx = Context.of(pair, dec.proposer, 3, None)
+    loop = Loop(ctx, RaggedBatch(ctx.models(), 8, 2048, ctx.k, ctx.pad_id, ctx.device), max_gap_s=max_gap_s)
+    adm = loop.admission
+    adm.cost.a, adm.cost.b, adm.step_s = 0.0, 0.001, 0.01
+    adm.cost.observe = adm.observe_step = lambda *args: None  # the costs stay as set
+    fed = []
+    original = adm._observe_prefill
+    adm._observe_prefill = lambda tokens, seconds: (fed.append(tokens), original(tokens, seconds))
+    prompts = [random_prompts(7, 1, 10, 11)[0], *random_prompts(8, 6, 100, 101)]
+    seqs = dec.make_sequences(prompts, SamplingParams(max_new_tokens=40))
+    loop.add(seqs[0])
+    loop.iterate()  # the first row is running
+    for seq in seqs[1:]:
+        loop.add(seq)
+    per_iteration = []
+    while loop.busy:
+        fed.clear()
+        running = seqs[0] in loop.batch.seqs
+        loop.iterate()
+        if running:
+            per_iteration.append(sum(fed))
+    return per_iteration, [s.generated for s in seqs], prompts
+
+
+def test_a_burst_of_long_prompts_keeps_a_running_rows_gap_under_the_budget(tiny64):
+    per_iteration, outputs, prompts = _burst(tiny64, max_gap_s=0.05)  # 40 tokens beside a 10 ms step
+    assert max(per_iteration) <= 40 and sum(per_iteration) > 0
+    assert outputs == reference_tokens(tiny64, prompts, 40)
+    unbounded, _, _ = _burst(tiny64, max_gap_s=None)
+    assert max(unbounded) >= 600  # without it, the whole burst in one iteration: a stall of 60 steps

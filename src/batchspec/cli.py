@@ -26,7 +26,7 @@ from .models import invariant
 from .models.pair import DTYPES, PAIRS, PairSpec, target_config
 from .models.quant import QUANTS
 from .serving import access
-from .serving.config import ServeConfig
+from .serving.config import DEFAULT_MAX_ITL_MS, ServeConfig
 from .tools import bench, equivalence
 from .tools.prompts import Prompt, read_prompts
 
@@ -294,6 +294,13 @@ def _serve_parser(sub) -> None:
         "15 ms), so that requests sent together are prefilled together (default 50; 0: never wait)",
     )
     g.add_argument(
+        "--max-itl-ms",
+        type=float,
+        default=DEFAULT_MAX_ITL_MS,
+        help="the longest gap between a running request's steps that prefilling new prompts may cause: each "
+        f"iteration prefills only what fits beside its decode step (default {DEFAULT_MAX_ITL_MS:g}; 0: no bound)",
+    )
+    g.add_argument(
         "--spin",
         nargs="?",
         const="on",
@@ -390,6 +397,7 @@ def serve_config(args) -> ServeConfig:
         port=args.port,
         max_queue=args.max_queue,
         arrival_window_ms=args.arrival_window_ms,
+        max_itl_ms=args.max_itl_ms,
         spin=args.spin,
         served_model_name=args.served_model_name,
         prefix_cache=not args.no_prefix_cache,

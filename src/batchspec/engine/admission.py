@@ -17,10 +17,14 @@ are idle for want of admission: share = SHARE x (running + idle rows with a prom
 running, so one running row does not hold fifteen waiting ones at a trickle, while a full batch
 pays at most SHARE steps per iteration for a late arrival. While no row is running there is
 nothing to stall, and every waiting prompt that fits is prefilled at once; so too while the idle
-rows are at least as many as the running ones. Chunking moves no prefill work, it only chooses who
-waits: m chunks buy the R running rows m more steps and delay the I idle rows' first steps by m
-steps, a net loss of (I - R) x m row-steps whenever I > R, and no gain at I = R, where the waiting
-prompt's first token comes sooner at once (2 synthetic clients: TTFT p50 1.07 -> 0.88 s).
+rows are at least as many as the running ones, unless a longest gap between a running row's steps
+is set (`max_gap_s`, the server's `--max-itl-ms`): then every iteration prefills at most what
+fits in that gap beside its decode step, whatever waits, and the chunk is the smaller of the two.
+Chunking moves no prefill work, it only chooses who waits: m chunks buy the R running rows m more
+steps and delay the I idle rows' first steps by m steps, a net loss of (I - R) x m row-steps
+whenever I > R, and no gain at I = R, where the waiting prompt's first token comes sooner at once
+(2 synthetic clients: TTFT p50 1.07 -> 0.88 s); the gap bound trades that throughput and those
+first tokens for readers that never freeze.
 
 Prompts prefilled together go in forwards of about GROUP_TOKENS tokens each, and each forward hands
 out its rows' first tokens before the next begins: once a forward holds that many rows, more rows
@@ -97,8 +101,18 @@ class PrefillCost:
 class Admission:
     """Waiting sequences (first in, first out) and at most one prompt being fed in chunks."""
 
-    def __init__(self, ctx: Context, fixed_chunk: int | None = None, share: float = SHARE, first_chunk: int = 256):
+    def __init__(
+        self,
+        ctx: Context,
+        fixed_chunk: int | None = None,
+        share: float = SHARE,
+        first_chunk: int = 256,
+        max_gap_s: float | None = None,
+    ):
+        """`max_gap_s`: the longest a running row should wait between two steps; an iteration
+        prefills only what fits in it beside a decode step (None: no bound of its own)."""
         self.ctx, self.fixed_chunk, self.share, self.first_chunk = ctx, fixed_chunk, share, first_chunk
+        self.max_gap_s = max_gap_s
         self.waiting: deque[Sequence] = deque()
         self.partial: PaddedBatch | None = None  # one row, fed chunk by chunk
         self.step_s: float | None = None  # decode step seconds (exponential average)
@@ -135,12 +149,16 @@ class Admission:
         rows have a prompt waiting for them (None: every waiting prompt that fits)."""
         if self.fixed_chunk is not None:
             return self.fixed_chunk
-        if idle >= running:
-            return None
         if self.step_s is None or self.cost.b is None:
-            return self.first_chunk
-        share = self.share * (running + idle) / max(running, 1)
-        return max(MIN_CHUNK, self.cost.tokens_for(share * self.step_s))
+            return None if idle >= running and self.max_gap_s is None else self.first_chunk
+        by_share = None
+        if idle < running:
+            share = self.share * (running + idle) / max(running, 1)
+            by_share = max(MIN_CHUNK, self.cost.tokens_for(share * self.step_s))
+        if self.max_gap_s is None:
+            return by_share
+        by_gap = max(MIN_CHUNK, self.cost.tokens_for(self.max_gap_s - self.step_s))  # the step runs too
+        return by_gap if by_share is None else min(by_share, by_gap)
 
     def observe_step(self, seconds: float) -> None:
         self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
@@ -164,6 +182,8 @@ class Admission:
             spent, finished = self._feed(batch, limit)
         while self.partial is None and self.waiting and batch.fits(self.waiting[0]):
             room = None if limit is None else limit - spent
+            if room is not None and room <= 0:
+                break
             hit = self.prefixes.worth(self.waiting[0].token_ids) if self.prefixes is not None else None
             rest = len(self.waiting[0]) - (hit.length if hit is not None else 0)
             if hit is not None or (room is not None and rest > room):  # alone, from its cached prefix

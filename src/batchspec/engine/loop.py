@@ -22,14 +22,22 @@ from .step import Context, decode_step
 class Loop:
     """Waiting and prefilling sequences (first in, first out) and the running batch."""
 
-    def __init__(self, ctx: Context, batch, prefill_chunk: int | None = None, prefix_cache_tokens: int | None = None):
+    def __init__(
+        self,
+        ctx: Context,
+        batch,
+        prefill_chunk: int | None = None,
+        prefix_cache_tokens: int | None = None,
+        max_gap_s: float | None = None,
+    ):
         """`prefix_cache_tokens`: keep up to this many tokens of leaving rows' entries for later
-        prompts that begin the same way (`prefixes`, a prefixes.PrefixCache; None: none)."""
+        prompts that begin the same way (`prefixes`, a prefixes.PrefixCache; None: none).
+        `max_gap_s`: the longest gap between a running row's steps that prefill may cause (admission.py)."""
         self.ctx, self.batch = ctx, batch
         self.prefixes = None
         if prefix_cache_tokens is not None:
             self.prefixes = PrefixCache(prefix_cache_tokens, ctx.features)
-        self.admission = Admission(ctx, fixed_chunk=prefill_chunk)
+        self.admission = Admission(ctx, fixed_chunk=prefill_chunk, max_gap_s=max_gap_s)
         self.admission.prefixes = batch.prefixes = self.prefixes
 
     @property

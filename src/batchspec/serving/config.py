@@ -18,6 +18,11 @@ from .access import Policy
 DEFAULT_KV_PER_ROW = 2048
 
 
+#: --max-itl-ms by default: an iteration prefills only what keeps a running row's gap between two
+#: steps under this (engine/admission.py; docs/serving.md, "Admission").
+DEFAULT_MAX_ITL_MS = 500.0
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """The models, the engine and the server's own options. `no_spec`: plain decoding (k = 0) in
@@ -30,6 +35,7 @@ class ServeConfig:
     port: int = 8000
     max_queue: int = 256
     arrival_window_ms: float = 50.0
+    max_itl_ms: float = DEFAULT_MAX_ITL_MS  # the longest gap prefill may open between a running row's steps; 0: none
     spin: str = "auto"  # whether the OpenMP workers spin between products: threads.SPIN_MODES
     served_model_name: str | None = None
     prefix_cache: bool = True
@@ -45,6 +51,8 @@ class ServeConfig:
             raise BatchspecError(f"--max-queue must be >= 0, got {self.max_queue}")
         if not 0 <= self.arrival_window_ms <= 1000:
             raise BatchspecError(f"--arrival-window-ms must be between 0 and 1000, got {self.arrival_window_ms:g}")
+        if not self.max_itl_ms >= 0:
+            raise BatchspecError(f"--max-itl-ms must be >= 0 (0: no bound), got {self.max_itl_ms:g}")
         if self.spin not in SPIN_MODES:
             raise BatchspecError(f"--spin must be one of {', '.join(SPIN_MODES)}, got {self.spin!r}")
         budget = self.engine.kv_budget_tokens
