@@ -1,7 +1,8 @@
 """Structured output on the default pair, as a serving user meets it, and what it costs.
 
 1. A real `batchspec serve --pair default` (float32, defaults) and the official `openai` client:
-   32 chat requests with JSON schemas (nested objects, arrays, enums, numbers, required fields),
+   32 chat requests with JSON schemas (nested objects, arrays, enums, numbers, required fields;
+   written as OpenAI's strict mode asks: no additional properties, arrays bounded),
    8 at a time, greedy. Every answer must parse, validate against its schema (`jsonschema`), and
    equal the same request through the offline masked `reference` (the target alone under the
    grammar's mask). Then the same 32 prompts at 1 and 8 at a time with and without the schema:
@@ -47,10 +48,12 @@ SCHEMAS = {
                 "type": "object",
                 "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
                 "required": ["lat", "lon"],
+                "additionalProperties": False,
             },
             "landmarks": {"type": "array", "items": TEXT, "maxItems": 3},
         },
         "required": ["name", "country", "population", "location", "landmarks"],
+        "additionalProperties": False,
     },
     "person": {
         "type": "object",
@@ -58,21 +61,32 @@ SCHEMAS = {
             "name": TEXT,
             "age": {"type": "integer"},
             "occupation": TEXT,
-            "skills": {"type": "array", "items": {"enum": ["science", "art", "politics", "sport", "music"]}},
+            "skills": {
+                "type": "array",
+                "items": {"enum": ["science", "art", "politics", "sport", "music"]},
+                "maxItems": 3,
+            },
             "alive": {"type": "boolean"},
         },
         "required": ["name", "age", "occupation", "skills", "alive"],
+        "additionalProperties": False,
     },
     "book": {
         "type": "object",
         "properties": {
             "title": TEXT,
-            "author": {"type": "object", "properties": {"first": TEXT, "last": TEXT}, "required": ["first", "last"]},
+            "author": {
+                "type": "object",
+                "properties": {"first": TEXT, "last": TEXT},
+                "required": ["first", "last"],
+                "additionalProperties": False,
+            },
             "year": {"type": "integer"},
             "genres": {"type": "array", "items": {"enum": ["fiction", "history", "science", "poetry"]}, "maxItems": 2},
             "rating": {"type": "number"},
         },
         "required": ["title", "author", "year", "genres", "rating"],
+        "additionalProperties": False,
     },
     "recipe": {
         "type": "object",
@@ -86,11 +100,13 @@ SCHEMAS = {
                     "type": "object",
                     "properties": {"item": TEXT, "grams": {"type": "number"}},
                     "required": ["item", "grams"],
+                    "additionalProperties": False,
                 },
                 "maxItems": 4,
             },
         },
         "required": ["dish", "servings", "difficulty", "ingredients"],
+        "additionalProperties": False,
     },
 }
 SUBJECTS = {

@@ -9,7 +9,7 @@
 #
 # Servers: transformers (the peer), batchspec (its defaults), nospec (batchspec --no-spec), nocache
 #   (batchspec --no-prefix-cache), nowindow (batchspec --arrival-window-ms 0), spin (batchspec --spin),
-#   spinoff (batchspec --spin off),
+#   spinoff (batchspec --spin off), nogap (batchspec --max-itl-ms 0: a wave of prompts prefilled at once),
 #   and offline: not a server but `batchspec bench --methods ragged` at B = BATCH_SIZE on the same
 #   Spec-Bench prompts (run at C = BATCH_SIZE only), the engine the server should keep up with.
 # Workloads: specbench (16 Spec-Bench chat prompts, every 30th: real text, where lookup and the draft
@@ -82,6 +82,7 @@ start() {  # start server $1 on port $2, logging to $3; prints its pid
     nowindow) batchspec_serve "$2" "$3" --arrival-window-ms 0 ;;
     spin) batchspec_serve "$2" "$3" --spin ;;
     spinoff) batchspec_serve "$2" "$3" --spin off ;;
+    nogap) batchspec_serve "$2" "$3" --max-itl-ms 0 ;;
     *) echo "unknown server $1" >&2; exit 2 ;;
   esac
   echo $!
