@@ -149,3 +149,27 @@ def test_a_burst_of_long_prompts_keeps_a_running_rows_gap_under_the_budget(tiny6
     assert outputs == reference_tokens(tiny64, prompts, 40)
     unbounded, _, _ = _burst(tiny64, max_gap_s=None)
     assert max(unbounded) >= 600  # without it, the whole burst in one iteration: a stall of 60 steps
+
+
+def test_a_wave_at_an_idle_server_stops_once_its_first_rows_run(tiny64, monkeypatch):
+    """Nothing running, six 40-token prompts: without a gap the whole wave is prefilled in one
+    iteration (its first rows wait for the last); with one, the first forward starts rows and the
+    iteration stops within the gap's tokens after it."""
+    monkeypatch.setattr(admission, "GROUP_TOKENS", 80)
+    fed = {}
+    for gap in (None, 0.05):
+        dec = SpecDecoder(tiny64, method="ragged", k=3)
+        ctx = Context.of(tiny64, dec.proposer, 3, None)
+        loop = Loop(ctx, RaggedBatch(ctx.models(), 8, 2048, ctx.k, ctx.pad_id, ctx.device), max_gap_s=gap)
+        adm = loop.admission
+        adm.cost.a, adm.cost.b, adm.step_s = 0.0, 0.001, 0.01
+        adm.cost.observe = adm.observe_step = lambda *args: None
+        prompts = random_prompts(9, 6, 40, 41)
+        seqs = dec.make_sequences(prompts, SamplingParams(max_new_tokens=12))
+        for seq in seqs:
+            loop.add(seq)
+        adm.admit(loop.batch)
+        fed[gap] = len(loop.batch)
+        loop.run()
+        assert [s.generated for s in seqs] == reference_tokens(tiny64, prompts, 12)
+    assert fed == {None: 6, 0.05: 2}  # a forward of two (80 tokens), then 40 tokens' room: no third prompt

@@ -19,7 +19,9 @@ pays at most SHARE steps per iteration for a late arrival. While no row is runni
 nothing to stall, and every waiting prompt that fits is prefilled at once; so too while the idle
 rows are at least as many as the running ones, unless a longest gap between a running row's steps
 is set (`max_gap_s`, the server's `--max-itl-ms`): then every iteration prefills at most what
-fits in that gap beside its decode step, whatever waits, and the chunk is the smaller of the two.
+fits in that gap beside its decode step, whatever waits, and the chunk is the smaller of the two;
+and a wave that found nothing running stops once its first forward has started rows, at that much
+more (those rows, holding their first token, wait for their second).
 Chunking moves no prefill work, it only chooses who waits: m chunks buy the R running rows m more
 steps and delay the I idle rows' first steps by m steps, a net loss of (I - R) x m row-steps
 whenever I > R, and no gain at I = R, where the waiting prompt's first token comes sooner at once
@@ -192,6 +194,7 @@ class Admission:
                 self.partial = self._open(batch, self.waiting.popleft(), hit)
                 used, done = self._feed(batch, room)
                 spent, finished = spent + used, finished + done
+                limit = self._bounded(batch, limit, spent)
                 continue
             group = [self.waiting.popleft()]
             size = len(group[0])  # the group's prompt tokens
@@ -206,7 +209,17 @@ class Admission:
                 size += len(group[-1])
             spent += size
             finished += self._prefill_group(batch, group)
+            limit = self._bounded(batch, limit, spent)
         return finished
+
+    def _bounded(self, batch, limit: int | None, spent: int) -> int | None:
+        """The iteration's limit once rows run: an unbounded wave (nothing was running) stops
+        at the gap's worth of tokens past what it has fed, since the rows it started now wait for
+        their next step (each forward hands out first tokens; the rest must not hold them)."""
+        if limit is not None or self.max_gap_s is None or not len(batch):
+            return limit
+        idle = min(batch.free, len(self.waiting))
+        return spent + tp.agree(self.chunk(len(batch), idle))
 
     def _open(self, batch, seq: Sequence, hit=None) -> PaddedBatch:
         """A one-row padded batch for a prompt to be fed alone (in chunks, or after a cached
