@@ -160,11 +160,16 @@ class Matcher:
         a tree's ancestries); all-allowed where the grammar refuses a path (its last token can
         never be kept: the pick before it is masked). The state is unchanged afterwards."""
         out = torch.full((len(paths), self.words), -1, dtype=torch.int32)
+        held: list[int] = []  # the path consumed now: the next one rolls back only to their common prefix
         for i, path in enumerate(paths):
-            if self.valid(path) == len(path) and not self.eos.intersection(path):
-                self.advance(path)
+            common = next((j for j, (a, b) in enumerate(zip(held, path)) if a != b), min(len(held), len(path)))
+            self.rollback(len(held) - common)
+            held, rest = held[:common], path[common:]
+            if self.valid(rest) == len(rest) and not self.eos.intersection(rest):
+                self.advance(rest)
+                held = list(path)
                 out[i] = self.mask()
-                self.rollback(len(path))
+        self.rollback(len(held))
         return out
 
     def forced(self, most: int) -> list[int]:
@@ -173,10 +178,10 @@ class Matcher:
         whatever its logits. The state is unchanged afterwards."""
         tokens: list[int] = []
         while len(tokens) < most:
-            bits = self.mask()
-            if int(_popcount(bits)) != 1:
+            ids = allowed(self.mask(), self.vocab).nonzero()
+            if len(ids) != 1:
                 break
-            tokens.append(int(_first_set(bits)))
+            tokens.append(int(ids[0, 0]))
             if tokens[-1] in self.eos:  # the end: kept, never consumed
                 break
             self.advance(tokens[-1:])
@@ -187,16 +192,6 @@ class Matcher:
         if n and not self._m.rollback(n):
             raise RuntimeError(f"grammar rollback of {n} tokens failed: {self._m.get_error()}")
         del self.tokens[len(self.tokens) - n :]
-
-
-def _popcount(bits: torch.Tensor) -> torch.Tensor:
-    """bits [W] int32 -> how many bits are set."""
-    return ((bits[:, None] >> _SHIFTS) & 1).sum()
-
-
-def _first_set(bits: torch.Tensor) -> torch.Tensor:
-    """bits [W] int32 with one bit set -> its index."""
-    return ((bits[:, None] >> _SHIFTS) & 1).flatten().nonzero()[0, 0]
 
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)

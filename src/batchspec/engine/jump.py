@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core import grammar
 from ..proposers.base import Proposal
 
 
@@ -20,7 +21,7 @@ def forced_drafts(ctx, seqs: list, drafts: torch.Tensor, limit: torch.Tensor | N
     """drafts [B, w], limit [B] or None -> (drafts [B, w'], limit [B] or None, the proposal the
     policy learns from, forced tokens per row [B] (None: none)). A replaced row's proposal counts
     as offering nothing, so forced tokens do not teach the policy its proposer's acceptance."""
-    if ctx.k == 0 or not any(seq.matcher is not None for seq in seqs):
+    if ctx.k == 0 or not grammar.constrained(seqs):
         return drafts, limit, proposal, None
     if proposal is not None and (proposal.tree is not None or not _keeps_no_drafts(ctx.proposer)):
         return drafts, limit, proposal, None
