@@ -145,3 +145,25 @@ def test_the_self_drafts_cache_starts_from_the_targets(self_pairs, tiny64, metho
     assert got == reference_tokens(tiny64, prompts, 16)
     assert fed and max(fed) < 30  # no forward took a prompt (each at least 30 tokens)
     assert dec.stats.summary()["mean_accepted"] > k / 2
+
+
+@pytest.mark.parametrize("shape", [(128, 64), (192, 96), (48, 64)])  # 48 outputs: not whole blocks of 64
+def test_the_dequantized_int4_weight_is_the_kernels_own(shape):
+    """The weight a prompt's dense product uses, unpacked by bit shifts, is the kernel's: its
+    product with the identity, to the bit."""
+    torch.manual_seed(1)
+    layer = QuantLinear(torch.randn(*shape), None, "int4")
+    eye = torch.eye(shape[1], dtype=torch.bfloat16)
+    want = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.packed, layer.group, layer.scales).T
+    assert layer.kind == "int4" and torch.equal(layer.dense(), want)
+
+
+def test_a_quantized_draft_keeps_its_dense_weights_but_a_self_draft_does_not(self_pairs):
+    """`quantize` (a draft model's --draft-quant) keeps each layer's dequantized weight once a
+    prompt made it; the target's own copy (its prompts adopt the target's entries) keeps none."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    model.get_output_embeddings = lambda: model[1]
+    quantize(model, "int4")
+    model(torch.randn(DENSE_ROWS + 1, 64))
+    assert all(layer.kept is not None for layer in model)
+    assert not any(m.keep_dense for m in self_pairs["int4"].draft.modules() if isinstance(m, QuantLinear))

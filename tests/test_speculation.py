@@ -246,6 +246,24 @@ def test_a_draft_is_not_fed_prompts_that_drafting_cannot_pay_back(tiny_same, war
     assert (calls == 0) == (warm_s_per_token == 1.0), calls
 
 
+@pytest.mark.parametrize("warm_s_per_token", [1e-6, 1.0])
+def test_a_heavy_draft_explores_when_its_feed_is_cheap(tiny_same, warm_s_per_token):
+    """A heavy draft whose acceptance, as first estimated, never pays (a plain step is always the
+    best bet) while every row arrives cold: when feeding it a row costs about nothing (the target's
+    own copy adopts the target's entries) an exploring step feeds and tests it, learns that every
+    draft is right, and drafts from then on. A feed dearer than a plain step (the control) is
+    never taken to explore."""
+    dec = SpecDecoder(tiny_same, method="ragged", batch_size=1, k="auto", proposer="draft")
+    dec.speculation = _adaptive(tiny_same, dec.proposer, _costs(per_token=3e-3), _costs(0.0, fixed=4e-3))
+    dec.speculation.warm_rate = warm_s_per_token  # as if timed in an earlier feed
+    dec.speculation.warmed = lambda tokens, seconds: None  # keep it
+    calls = _draft_forwards(dec, tiny_same, random_prompts(9, 3, 5, 20), 3 * speculation.EXPLORE_EVERY)
+    if warm_s_per_token == 1.0:
+        assert calls == 0
+    else:
+        assert calls > speculation.EXPLORE_EVERY, calls  # explored, then drafted
+
+
 def _draft_forwards(dec, pair, prompts, max_new_tokens: int) -> int:
     """Decode `prompts` with `dec` (greedy, EOS ignored), check the output is the reference's, and
     return how many forwards its draft model ran."""

@@ -29,7 +29,7 @@ QUANTS = ("none", "int8", "int4")
 #: kernel's time grows with each row (prefill), a dense product's far less (experiments/quant_forms.py).
 DENSE_ROWS = 32
 #: Inputs per int4 group (one scale and offset each); a layer whose input width it does not divide
-#: stays int8. Measured on the built-in pair's target (teacher-forced along its own greedy
+#: (or whose outputs are not a multiple of the kernel's 16) stays int8. Measured on the built-in pair's target (teacher-forced along its own greedy
 #: continuations, 16 prompts, 738 positions; LM head int8): groups of 64 agree with the target at
 #: 79% of positions, groups of 32 at 98% (int8 everywhere: 96%), for ~5% more time per product.
 GROUP = 32
@@ -57,6 +57,33 @@ def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     return packed, pairs.transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
+def unpack_int4(packed: torch.Tensor, out: int, width: int) -> torch.Tensor | None:
+    """The kernel's packed int4 weight -> q [O, I] int32 in 0..15, by bit shifts (O x I work, not
+    the O x I x I of a product with the identity); None where the packing is not the one read here
+    (blocks of 64 outputs, each byte holding outputs n and n + 32 of one input: the AVX-512 form,
+    checked once by a round trip), or O is not a whole number of blocks."""
+    if out % 64 or not _known_int4_layout():
+        return None
+    return _unpack_blocks(packed, out, width)
+
+
+_LAYOUT: list[bool] = []
+
+
+def _known_int4_layout() -> bool:
+    if not _LAYOUT:
+        q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        _LAYOUT.append(packed.shape == (128, 32) and bool((_unpack_blocks(packed, 128, 64) == q).all()))
+    return _LAYOUT[0]
+
+
+def _unpack_blocks(packed: torch.Tensor, out: int, width: int) -> torch.Tensor:
+    blocks = packed.view(out // 64, width, 32)
+    q = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # [O/64, I, 64]: outputs n, then n + 32
+    return q.transpose(1, 2).reshape(out, width).to(torch.int32)
+
+
 def int8_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """rows [M, I] bf16 (contiguous) x int8 weight packed [O, I] with scales [O] -> [M, O] bf16: the
     kernel for up to DENSE_ROWS rows, the dequantized weight's product above."""
@@ -74,18 +101,21 @@ class QuantLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.group = GROUP  # int4's inputs per group, as quantized
-        self.kind = "int4" if kind == "int4" and self.in_features % self.group == 0 else "int8"
+        whole = self.in_features % self.group == 0 and self.out_features % 16 == 0  # the kernel's blocks
+        self.kind = "int4" if kind == "int4" and whole else "int8"
         packed, scales = quantize_int4(weight, self.group) if self.kind == "int4" else quantize_int8(weight)
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone())
+        self.keep_dense = False  # keep the dequantized weight once made (`dense`)
+        self.kept: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # the kernels need it
-        if self.kind == "int8":
-            out = int8_product(rows, self.packed, self.scales)
-        elif rows.shape[0] > DENSE_ROWS:
+        if rows.shape[0] > DENSE_ROWS:
             out = torch.nn.functional.linear(rows, self.dense())
+        elif self.kind == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.packed, self.scales)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales)
         if self.bias is not None:
@@ -93,11 +123,25 @@ class QuantLinear(torch.nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def dense(self) -> torch.Tensor:
-        """The weight [O, I] dequantized to bfloat16 (made for each call: not kept)."""
+        """The weight [O, I] dequantized to bfloat16: made for each call, or once and kept where
+        `keep_dense` (a prompt's products then cost a dense bfloat16 product, no more)."""
+        if self.kept is not None:
+            return self.kept
+        weight = self._dequantized()
+        if self.keep_dense:
+            self.kept = weight
+        return weight
+
+    def _dequantized(self) -> torch.Tensor:
         if self.kind == "int8":
             return self.packed.to(torch.bfloat16) * self.scales[:, None]
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scales).T
+        q = unpack_int4(self.packed, self.out_features, self.in_features)
+        if q is None:  # another packing: the kernel's own product with the identity
+            eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scales).T
+        scale, offset = self.scales.float().permute(2, 1, 0)[..., None]  # [O, I / group, 1] each
+        grouped = (q.view(self.out_features, -1, self.group) - 8) * scale + offset
+        return grouped.reshape(self.out_features, self.in_features).to(torch.bfloat16)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
@@ -136,10 +180,16 @@ def check(kind: str, device: torch.device | str) -> None:
 
 def quantize(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     """Swap every linear layer of `model` (nn.Linear or TunedLinear) for a QuantLinear of `kind`
-    ("none": nothing changes), in place. Needs a CPU model: the kernels are PyTorch's CPU ones."""
+    ("none": nothing changes), in place, each keeping its dequantized bfloat16 weight once a
+    product of more than DENSE_ROWS rows made it (a draft model's prompt; a self-draft, which
+    takes the target's entries for its prompts, keeps none). Needs a CPU model: the kernels are
+    PyTorch's CPU ones."""
     check(kind, next(model.parameters()).device)
     if kind != "none":
         _replace_linears(model, _quantizer(model, kind))
+        for layer in model.modules():
+            if isinstance(layer, QuantLinear):  # a prompt's products: a dense bfloat16 product (a
+                layer.keep_dense = True  # 2-byte copy, made at the first): no dearer than float32's
     return model
 
 

@@ -196,27 +196,31 @@ class Adaptive(Speculation):
             return 0  # not even to explore: drafting would first feed the draft every row's tokens
         rates = self._rates(a.cumprod(dim=1), 0.0 if model else call, rows, span, sunk=False, per_draft=call * model)
         heavy = model and call >= HEAVY_DRAFT * plain
-        if heavy and not self._warm_pays(batch, rates):
+        explore = self.unverified >= EXPLORE_EVERY
+        if heavy and not self._warm_pays(batch, rates, plain if explore else 0.0):
             return 0  # feeding the draft the rows it lacks would cost more than drafting saves
-        if int(rates.argmax()) == 0 and self.unverified < EXPLORE_EVERY:
+        if int(rates.argmax()) == 0 and not explore:
             for seq, r_b in zip(batch.seqs, r.tolist()):  # a row that does not speculate drifts back to average
                 self.ratio[seq] = r_b + 0.05 * (1.0 - r_b)
             return 0
         return self.k_max
 
-    def _warm_pays(self, batch, rates: torch.Tensor) -> bool:
+    def _warm_pays(self, batch, rates: torch.Tensor, allowance: float = 0.0) -> bool:
         """Whether drafting now is worth feeding the draft the rows it lacks first (`Layout.warm`:
         rows admitted while nothing was drafted): the feed's cost, at the seconds per token timed
         in earlier feeds, against the time the best width saves over the rows' remaining tokens
-        (at most WARM_HORIZON each) at the rates estimated now. Exploring never pays for it; before
-        any feed was timed, the first is taken."""
+        (at most WARM_HORIZON each) at the rates estimated now, plus `allowance` seconds (an
+        exploring step pays up to a plain step's time for a feed: a copy of the target's entries,
+        for its own quantized copy, costs about nothing, and without it a pessimistic estimate
+        would never be tested while every new row arrives cold). Before any feed was timed, the
+        first is taken."""
         cold = batch.cold(self.proposer.role) if batch.warms else 0
         if not cold or self.warm_rate is None:
             return True
         remaining = sum(min(seq.max_len - len(seq), WARM_HORIZON) for seq in batch.seqs)
         best, plain = float(rates.max()), float(rates[0])
         saved = remaining * (1.0 / plain - 1.0 / best)
-        return saved >= cold * self.warm_rate
+        return saved + allowance >= cold * self.warm_rate
 
     def warmed(self, tokens: int, seconds: float) -> None:
         if tokens > 0:
