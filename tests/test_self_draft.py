@@ -167,3 +167,65 @@ def test_a_quantized_draft_keeps_its_dense_weights_but_a_self_draft_does_not(sel
     model(torch.randn(DENSE_ROWS + 1, 64))
     assert all(layer.kept is not None for layer in model)
     assert not any(m.keep_dense for m in self_pairs["int4"].draft.modules() if isinstance(m, QuantLinear))
+
+
+def _user_target(monkeypatch):
+    """A user's --target, as `_load_spec_pair` returns it: the tiny target, no draft model."""
+    from batchspec.models import pair as pair_module
+
+    def load(target, draft, dtype, tp_size=1):
+        assert draft is None
+        made = pair_module.tiny_pair(dtype=dtype)
+        made.draft, made.head, made.default_proposer = None, None, "ngram"
+        return made
+
+    monkeypatch.setattr(pair_module, "_load_spec_pair", load)
+    return pair_module
+
+
+def test_auto_drafts_with_the_targets_own_int4_copy_lookup_first(monkeypatch):
+    """--draft auto (the command line's default beside --target) builds the target's own int4 copy
+    and proposes lookup first with it, says so in the start-up report, and stays exact."""
+    pair_module = _user_target(monkeypatch)
+    monkeypatch.setattr(pair_module, "cpu_has_bf16", lambda: True)
+    pair = load_pair(target="user-model", draft="auto", dtype="float32")
+    assert pair.default_proposer == "ngram+draft" and pair.draft_copies_target
+    assert {m.kind for m in pair.draft.modules() if isinstance(m, QuantLinear)} >= {"int4"}
+    assert "int4 copy" in pair.startup["drafter"] and pair.describe()["drafter"] == pair.startup["drafter"]
+    prompts = random_prompts(3, 3, 4, 30)
+    dec = SpecDecoder(pair, method="ragged", batch_size=3, k="auto")
+    assert dec.proposer_name == "ngram+draft"
+    got = [o.token_ids for o in dec.generate(prompts, SamplingParams(max_new_tokens=24))]
+    assert got == reference_tokens(pair, prompts, 24)
+
+
+@pytest.mark.parametrize("why", ["bf16", "memory", "device"])
+def test_auto_falls_back_to_lookup_and_says_why(monkeypatch, why):
+    pair_module = _user_target(monkeypatch)
+    monkeypatch.setattr(pair_module, "cpu_has_bf16", lambda: why != "bf16")
+    if why == "memory":
+        monkeypatch.setattr(pair_module, "AUTO_MEMORY_SHARE", 1e-9)
+    target = pair_module.tiny_pair().target
+    reason = pair_module.auto_refusal(target, "cuda" if why == "device" else "cpu", 1)
+    assert (
+        reason.startswith("auto: lookup alone")
+        and {"bf16": "bfloat16", "memory": "MiB", "device": "cuda"}[why] in reason
+    )
+    if why != "device":  # no GPU here to load onto
+        pair = load_pair(target="user-model", draft="auto")
+        assert pair.draft is None and pair.default_proposer == "ngram" and pair.startup["drafter"] == reason
+        with pytest.raises(BatchspecError, match="--draft-vocab needs a draft model, and auto: lookup alone"):
+            load_pair(target="user-model", draft="auto", draft_vocab=64)
+
+
+def test_the_command_line_asks_for_auto_beside_a_target_unless_the_proposer_needs_no_model():
+    from batchspec.cli import build_parser, pair_spec
+
+    parse = build_parser().parse_args
+    assert pair_spec(parse(["generate", "--target", "m", "hi"])).draft == "auto"
+    assert pair_spec(parse(["generate", "--target", "m", "--proposer", "draft", "hi"])).draft == "auto"
+    assert pair_spec(parse(["generate", "--target", "m", "--proposer", "ngram", "hi"])).draft is None
+    assert pair_spec(parse(["generate", "--target", "m", "--draft", "d", "hi"])).draft == "d"
+    assert pair_spec(parse(["generate", "hi"])).draft is None
+    with pytest.raises(BatchspecError, match="--draft auto chooses a drafter beside --target"):
+        load_pair("tiny", draft="auto")

@@ -23,7 +23,7 @@ from .decoder import SpecDecoder
 from .distributed import tp
 from .engine.threads import BUSY_CORES, SPIN_MODES, SPIN_ROWS
 from .models import invariant
-from .models.pair import DTYPES, PAIRS, PairSpec, target_config
+from .models.pair import AUTO, DTYPES, PAIRS, PairSpec, target_config
 from .models.quant import QUANTS
 from .serving import access
 from .serving.config import DEFAULT_MAX_ITL_MS, ServeConfig
@@ -56,8 +56,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", help="target model: a local HF directory, a .gguf file, or a hub id")
     g.add_argument(
         "--draft",
-        help="draft model (same forms), or self: the target's own weights, quantized (--draft-quant); "
-        "without it the n-gram proposer is used",
+        help="draft model (same forms), or self: the target's own weights, quantized (--draft-quant), or "
+        "auto (the default beside --target unless --proposer ngram or eagle): self, with lookup first, on a "
+        "CPU with bfloat16 units and memory to spare, else the n-gram proposer alone",
     )
     g.add_argument(
         "--dtype", choices=list(DTYPES), default="float32", help="float32 (default: exact) or bfloat16 (fast)"
@@ -516,11 +517,15 @@ def engine_config(args, method: str, batch_size: int, progress: bool) -> EngineC
 
 
 def pair_spec(args) -> PairSpec:
-    """Where the pair comes from (the model options)."""
+    """Where the pair comes from (the model options). A --target without --draft gets `auto`
+    unless the proposer asked for needs no draft model."""
+    draft = args.draft
+    if draft is None and args.target is not None and getattr(args, "proposer", None) in (None, "draft", "ngram+draft"):
+        draft = AUTO
     return PairSpec(
         args.pair,
         args.target,
-        args.draft,
+        draft,
         args.dtype,
         args.device,
         args.tp,

@@ -122,4 +122,6 @@ def startup_text(startup: dict) -> str:
         parts.append(f"compile {startup['compile_s']:.1f}s")
     elif "forward" in startup:
         parts.append(f"forward {startup['forward']}")
+    if "drafter" in startup:
+        parts.append(startup["drafter"])
     return " | start: " + ", ".join(parts) if parts else ""

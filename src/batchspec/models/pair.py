@@ -30,6 +30,12 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PAIRS = ("tiny", "tiny-sliding", "default")
 #: `--draft self`: the target's own weights, quantized (quant.py), as the draft model.
 SELF = "self"
+#: `--draft auto` (the command line's default beside `--target`): the target's own int4 copy, with
+#: lookup first (`ngram+draft`), where `auto_refusal` finds nothing against it; else no draft model.
+AUTO = "auto"
+#: `auto` builds the self-draft only if its estimated bytes are at most this share of the memory
+#: available at load time.
+AUTO_MEMORY_SHARE = 0.25
 
 
 @dataclass
@@ -45,6 +51,7 @@ class ModelPair:
     pad_id: int
     draft_vocab_ids: torch.Tensor | vocab.GrowingHead | None = None  # reduced draft head -> full ids
     default_proposer: str = "draft"
+    drafter: str = ""  # which drafter the defaults use and why (`--draft auto`), for the stats
     draft_copies_target: bool = False  # the draft is the target's own copy (--draft self): the same KV layout
     head: torch.nn.Module | None = None  # an EAGLE-style draft head (eagle.py), or None
     startup: dict = field(default_factory=dict)  # {"load_s", "weights"}: how the load went
@@ -75,7 +82,7 @@ class ModelPair:
             "draft": info(self.draft),
             "dtype": str(self.dtype).removeprefix("torch."),
             "draft_dtype": _dtype_name(self.draft if self.draft is not None else self.head),
-        }
+        } | ({"drafter": self.drafter} if self.drafter else {})
 
     def encode(self, prompt: str | list[int], chat_template: bool = True) -> list[int]:
         """Token ids for one prompt: token-id lists pass through; text gets the chat template when
@@ -178,6 +185,11 @@ def _load_pair(
         raise BatchspecError(f"unknown draft dtype {draft_dtype!r}; choose one of {', '.join(DTYPES)}")
     if draft_quant is not None:
         quant.check(draft_quant, "cpu")  # a known kind; the device is checked where the draft is made
+    auto = draft == AUTO
+    if auto and (pair is not None or target is None):
+        raise BatchspecError("--draft auto chooses a drafter beside --target; the built-in pairs bring their own")
+    if auto and draft_quant not in (None, "none"):
+        draft = SELF  # a quantization asked for: the self-draft it names
     if draft_quant not in (None, "none") and draft is None and target is not None:
         raise BatchspecError(f"--draft-quant {draft_quant} needs a draft model (--draft PATH or --draft self)")
     vocab.check(draft_vocab)
@@ -209,7 +221,7 @@ def _load_pair(
     elif pair == "default":
         result = default_pair(torch_dtype, tp_size)
     else:
-        result = _load_spec_pair(target, None if draft == SELF else draft, torch_dtype, tp_size)
+        result = _load_spec_pair(target, None if draft in (SELF, AUTO) else draft, torch_dtype, tp_size)
     result.target.to(device)
     if result.draft is not None:
         result.draft.to(device)
@@ -219,8 +231,16 @@ def _load_pair(
         result.head.to(device)  # its copy of the target's output rows too; the embedding is shared
     if result.draft_vocab_ids is not None:
         result.draft_vocab_ids = result.draft_vocab_ids.to(device)
+    if draft == AUTO:
+        why = auto_refusal(result.target, device, tp_size)
+        if why and draft_vocab not in (None, vocab.FULL):
+            raise BatchspecError(f"--draft-vocab needs a draft model, and {why}")
+        draft = None if why else SELF
+        result.drafter = why or "auto: the target's own int4 copy, lookup first (ngram+draft)"
     if draft == SELF:
         _use_self_draft(result, device, draft_dtype, draft_quant, draft_vocab)
+        if auto:
+            result.default_proposer = "ngram+draft"
     elif draft_dtype is not None and draft_dtype != dtype:
         for model in (result.draft, result.head):
             if model is not None:
@@ -247,7 +267,36 @@ def _load_pair(
         if compile:  # asked for and refused: say why, once
             warnings.warn(f"running the target eager: {why}", stacklevel=3)
         result.startup = {"forward": f"eager ({why})"}
+    if result.drafter:
+        result.startup["drafter"] = result.drafter
     return result
+
+
+def auto_refusal(target: torch.nn.Module, device: str, tp_size: int) -> str | None:
+    """Why `--draft auto` runs no draft model beside `target` (then lookup alone), or None: build
+    the target's own int4 copy. Its int4 products are CPU kernels that compute in bfloat16, fast
+    only where the CPU has bfloat16 units; on a GPU an unquantized copy reads as many bytes as the
+    target. Its bytes (about 0.63 a weight, the LM head one) must be at most AUTO_MEMORY_SHARE of
+    the memory available."""
+    import psutil
+
+    prefix = "auto: lookup alone"
+    if torch.device(device).type != "cpu":
+        return f"{prefix} (on {device} a copy of the target would read as many bytes as the target)"
+    if tp_size > 1:
+        return f"{prefix} (--tp: a self-draft would copy one rank's shard)"
+    if not cpu_has_bf16():
+        return f"{prefix} (this CPU has no bfloat16 units: int4 products would be slower than the target's)"
+    head = target.get_output_embeddings()
+    linears = [m for m in target.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    need = 0.63 * sum(m.weight.numel() for m in linears) + (head.weight.numel() if head is not None else 0)
+    available = psutil.virtual_memory().available
+    if need > AUTO_MEMORY_SHARE * available:
+        return (
+            f"{prefix} (the self-draft needs ~{need / 2**20:.0f} MiB, more than "
+            f"{AUTO_MEMORY_SHARE:.0%} of the {available / 2**20:.0f} MiB available)"
+        )
+    return None
 
 
 def default_eager_reason(pair: str | None) -> str | None:

@@ -29,9 +29,10 @@ QUANTS = ("none", "int8", "int4")
 #: kernel's time grows with each row (prefill), a dense product's far less (experiments/quant_forms.py).
 DENSE_ROWS = 32
 #: Inputs per int4 group (one scale and offset each); a layer whose input width it does not divide
-#: (or whose outputs are not a multiple of the kernel's 16) stays int8. Measured on the built-in pair's target (teacher-forced along its own greedy
-#: continuations, 16 prompts, 738 positions; LM head int8): groups of 64 agree with the target at
-#: 79% of positions, groups of 32 at 98% (int8 everywhere: 96%), for ~5% more time per product.
+#: (or whose outputs are not a multiple of the kernel's 16) stays int8. Measured on the built-in
+#: pair's target (teacher-forced along its own greedy continuations, 16 prompts, 738 positions; LM
+#: head int8): groups of 64 agree with the target at 79% of positions, groups of 32 at 98% (int8
+#: everywhere: 96%), for ~5% more time per product.
 GROUP = 32
 
 
