@@ -115,3 +115,18 @@ def test_layers_the_lean_form_cannot_compute_stay_eager_with_the_reason(monkeypa
 def test_the_stats_line_says_which_forward_ran(capsys):
     assert main(["generate", "--pair", "tiny", "--max-new-tokens", "4", "--no-compile", "hello"]) == 0
     assert "forward eager (--no-compile)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_a_self_draft_is_compiled_with_its_quantized_products_traced(quant):
+    """The target's own quantized copy runs a compiled graph too (its weight-only products are
+    PyTorch kernels, traced into it); drafting through it leaves the output the reference's."""
+    pair = load_pair("tiny", dtype="float32", draft="self", draft_quant=quant, compile=True)
+    draft = compiled.compiled(pair.draft)
+    assert draft is not None and compiled.compiled(pair.target) is not None
+    prompts = random_prompts(11, 3, 2, 30)
+    calls = draft.calls
+    dec = SpecDecoder(pair, method="ragged", batch_size=3, k=3, proposer="draft")
+    got = [o.token_ids for o in dec.generate(prompts, SamplingParams(max_new_tokens=16))]
+    assert draft.calls > calls and dec.stats.summary()["mean_accepted"] > 0.5
+    assert got == reference_tokens(pair, prompts, 16)

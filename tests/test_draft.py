@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from batchspec import SamplingParams, SpecDecoder, load_pair
+from batchspec import BatchspecError, SamplingParams, SpecDecoder, load_pair
 from batchspec.models.draft import DRAFT_FILE, SmolDraft
 
 EOS_ID = 2  # <|im_end|>
@@ -149,3 +149,12 @@ def test_the_shipped_draft_quantized_drafts_exactly(pair, kind):
     dec = SpecDecoder(quantized, method="ragged", k=3, batch_size=2, proposer="draft")
     assert [o.token_ids for o in dec.generate(prompts, params)] == ref
     assert dec.stats.summary()["mean_accepted"] > 0.2
+
+
+@pytest.mark.parametrize("proposer", [None, "eagle", "ngram", "ngram+eagle"])
+def test_a_quantized_draft_that_the_proposer_would_not_run_is_refused(pair, proposer):
+    """--draft-quant is honoured or refused: a proposer that runs no draft model would ignore it."""
+    quantized = load_pair("default", dtype="float32", draft_quant="int8")
+    with pytest.raises(BatchspecError, match="--draft-quant int8 quantizes the draft model.*--proposer draft"):
+        SpecDecoder(quantized, method="ragged", k=2, proposer=proposer)
+    assert SpecDecoder(quantized, method="ragged", k=2, proposer="ngram+draft").proposer_name == "ngram+draft"

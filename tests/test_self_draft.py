@@ -183,18 +183,18 @@ def _user_target(monkeypatch):
     return pair_module
 
 
-def test_auto_drafts_with_the_targets_own_int4_copy_lookup_first(monkeypatch):
+def test_auto_drafts_with_the_targets_own_int4_copy(monkeypatch):
     """--draft auto (the command line's default beside --target) builds the target's own int4 copy
-    and proposes lookup first with it, says so in the start-up report, and stays exact."""
+    and drafts with it, says so in the start-up report, and stays exact."""
     pair_module = _user_target(monkeypatch)
     monkeypatch.setattr(pair_module, "cpu_has_bf16", lambda: True)
     pair = load_pair(target="user-model", draft="auto", dtype="float32")
-    assert pair.default_proposer == "ngram+draft" and pair.draft_copies_target
+    assert pair.default_proposer == "draft" and pair.draft_copies_target
     assert {m.kind for m in pair.draft.modules() if isinstance(m, QuantLinear)} >= {"int4"}
     assert "int4 copy" in pair.startup["drafter"] and pair.describe()["drafter"] == pair.startup["drafter"]
     prompts = random_prompts(3, 3, 4, 30)
     dec = SpecDecoder(pair, method="ragged", batch_size=3, k="auto")
-    assert dec.proposer_name == "ngram+draft"
+    assert dec.proposer_name == "draft"
     got = [o.token_ids for o in dec.generate(prompts, SamplingParams(max_new_tokens=24))]
     assert got == reference_tokens(pair, prompts, 24)
 

@@ -43,6 +43,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..cache import kv
 from . import lean, linears
+from .quant import QuantLinear
 from .invariant import NAME as INVARIANT  # the batch-invariant mode's attention, which runs eager
 
 #: The environment variable that turns the default off (pair.default_eager_reason).
@@ -107,6 +108,8 @@ class LeanStack(torch.nn.Module):
         self.form = form
 
     def product(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+        if isinstance(layer, QuantLinear):  # PyTorch's own weight-only kernels: traced, no call
+            return layer(x)
         if self.form is None:
             return product(x, self.slots[id(layer)])
         flat = x.reshape(-1, x.shape[-1])

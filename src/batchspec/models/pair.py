@@ -30,8 +30,11 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PAIRS = ("tiny", "tiny-sliding", "default")
 #: `--draft self`: the target's own weights, quantized (quant.py), as the draft model.
 SELF = "self"
-#: `--draft auto` (the command line's default beside `--target`): the target's own int4 copy, with
-#: lookup first (`ngram+draft`), where `auto_refusal` finds nothing against it; else no draft model.
+#: `--draft auto` (the command line's default beside `--target`): the target's own int4 copy (proposer
+#: `draft`) where `auto_refusal` finds nothing against it; else no draft model (lookup alone). Not
+#: lookup first with it: that proposer rewinds the draft's cache every step (a forward more per
+#: step, dear for a draft a third of the target's step), measured below lookup alone and the copy
+#: alone (docs/benchmarks.md, "The drafter a user's model gets").
 AUTO = "auto"
 #: `auto` builds the self-draft only if its estimated bytes are at most this share of the memory
 #: available at load time.
@@ -52,6 +55,7 @@ class ModelPair:
     draft_vocab_ids: torch.Tensor | vocab.GrowingHead | None = None  # reduced draft head -> full ids
     default_proposer: str = "draft"
     drafter: str = ""  # which drafter the defaults use and why (`--draft auto`), for the stats
+    draft_quant: str | None = None  # the quantization asked for the draft model (int8, int4), if any
     draft_copies_target: bool = False  # the draft is the target's own copy (--draft self): the same KV layout
     head: torch.nn.Module | None = None  # an EAGLE-style draft head (eagle.py), or None
     startup: dict = field(default_factory=dict)  # {"load_s", "weights"}: how the load went
@@ -236,11 +240,9 @@ def _load_pair(
         if why and draft_vocab not in (None, vocab.FULL):
             raise BatchspecError(f"--draft-vocab needs a draft model, and {why}")
         draft = None if why else SELF
-        result.drafter = why or "auto: the target's own int4 copy, lookup first (ngram+draft)"
+        result.drafter = why or "auto: the target's own int4 copy (proposer draft)"
     if draft == SELF:
         _use_self_draft(result, device, draft_dtype, draft_quant, draft_vocab)
-        if auto:
-            result.default_proposer = "ngram+draft"
     elif draft_dtype is not None and draft_dtype != dtype:
         for model in (result.draft, result.head):
             if model is not None:
@@ -262,13 +264,18 @@ def _load_pair(
     if why is None:
         compiled.cache_dir(diskcache.root())
         compiled.install(result.target)
-        result.startup = {"forward": "compiled", "compile_s": round(compiled.warm(result.target), 3)}
+        seconds = compiled.warm(result.target)
+        if result.draft_copies_target and all(isinstance(x, lean.LeanLayer) for x in result.draft.get_decoder().layers):
+            compiled.install(result.draft)  # its int4/int8 products are PyTorch kernels: traced into the graph
+            seconds += compiled.warm(result.draft)
+        result.startup = {"forward": "compiled", "compile_s": round(seconds, 3)}
     else:
         if compile:  # asked for and refused: say why, once
             warnings.warn(f"running the target eager: {why}", stacklevel=3)
         result.startup = {"forward": f"eager ({why})"}
     if result.drafter:
         result.startup["drafter"] = result.drafter
+    result.draft_quant = draft_quant if draft_quant not in (None, "none") else None
     return result
 
 

@@ -19,6 +19,13 @@ def make_proposer(pair: ModelPair, config: EngineConfig) -> tuple[Proposer | Non
     if not config.speculative:
         return None, None
     name = config.proposer or pair.default_proposer
+    if pair.draft_quant is not None and name in ("ngram", "eagle", "ngram+eagle"):
+        default = " (the pair's default)" if config.proposer is None else ""
+        raise BatchspecError(
+            f"--draft-quant {pair.draft_quant} quantizes the draft model, which --proposer {name}{default} "
+            "does not run (lookup has no weights; the draft head is a few percent of a step and stays as it "
+            "is): use --proposer draft or ngram+draft, or drop --draft-quant"
+        )
     if name.startswith(LOOKUP_FIRST):  # lookup where it matches, the model elsewhere
         if methods.get(config.method).broken:
             raise BatchspecError(
