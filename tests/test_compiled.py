@@ -130,3 +130,7 @@ def test_a_self_draft_is_compiled_with_its_quantized_products_traced(quant):
     got = [o.token_ids for o in dec.generate(prompts, SamplingParams(max_new_tokens=16))]
     assert draft.calls > calls and dec.stats.summary()["mean_accepted"] > 0.5
     assert got == reference_tokens(pair, prompts, 16)
+    ids = torch.tensor(random_prompts(12, 1, 40, 40))  # more than DENSE_ROWS tokens: the dequantized product
+    with torch.inference_mode():
+        calls, many = draft.calls, pair.draft(input_ids=ids).logits
+    assert draft.calls == calls + 1 and torch.isfinite(many).all()

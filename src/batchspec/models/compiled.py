@@ -43,13 +43,15 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..cache import kv
 from . import lean, linears
-from .quant import QuantLinear
 from .invariant import NAME as INVARIANT  # the batch-invariant mode's attention, which runs eager
+from .quant import QuantLinear
 
 #: The environment variable that turns the default off (pair.default_eager_reason).
 ENV = "BATCHSPEC_COMPILE"
 #: Most tokens (rows x query width) a compiled forward takes; more run eager.
 MAX_ROWS = 128
+#: Graphs of LeanStack.forward a process may compile (torch's default, 8, is two or three pairs).
+RECOMPILE_LIMIT = 64
 
 #: slot -> a linear layer (weakly held), read by `product`; the current forward's cache, mask and
 #: rows, read by `attend` (set around the graph call; a forward never re-enters itself).
@@ -237,6 +239,9 @@ def install(model: torch.nn.Module, backend: str = "inductor", freeze: bool = Fa
     """Serve `model`'s decoder by a compiled graph where it can (`why_not` is None; its layers
     lean.install'ed, before its linear layers are tuned)."""
     decoder = model.get_decoder()
+    # Each compiled model is a recompile of the one LeanStack.forward (guards on the module): a
+    # target and its self-draft take about six graphs, a process loading several pairs more.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     if getattr(decoder, "batchspec_compiled", None) is None:
         compiled = CompiledDecoder(decoder, decoder.forward, backend, freeze)
         decoder.forward = compiled

@@ -103,6 +103,7 @@ class QuantLinear(torch.nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.group = GROUP  # int4's inputs per group, as quantized
         whole = self.in_features % self.group == 0 and self.out_features % 16 == 0  # the kernel's blocks
+        _known_int4_layout()  # checked here, never inside a compiled graph
         self.kind = "int4" if kind == "int4" and whole else "int8"
         packed, scales = quantize_int4(weight, self.group) if self.kind == "int4" else quantize_int8(weight)
         self.register_buffer("packed", packed)
