@@ -138,4 +138,5 @@ def test_a_self_draft_is_compiled_with_its_quantized_products_traced(quant):
         )  # the dequantized product
         logits = pair.draft.lm_head(eager)
     assert draft.calls == calls + 1 and len(draft.graphs) == 1
-    torch.testing.assert_close(many, logits, atol=0.05, rtol=0.05)  # bfloat16: the kernel's sums beside dense ones
+    # bfloat16: the kernel's sums beside the dense product's, the same weights
+    assert (many - logits).abs().max() < 0.1 * logits.abs().max()
