@@ -116,7 +116,7 @@ class QuantLinear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # the kernels need it
         # In a compiled graph (at most compiled.MAX_ROWS tokens) always the kernel: a branch on the
         # row count would compile a graph more, mid-run.
-        if rows.shape[0] > DENSE_ROWS and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and rows.shape[0] > DENSE_ROWS:
             out = torch.nn.functional.linear(rows, self.dense())
         elif self.kind == "int8":
             out = torch.ops.aten._weight_int8pack_mm(rows, self.packed, self.scales)
