@@ -94,29 +94,36 @@ def markdown(table: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(table: dict, path: Path) -> None:
+def plot(table: dict, path: Path):
+    """Throughput, TTFT p50 and ITL p99 against clients, a row per workload; each server one
+    colour in every panel, a legend on each. Returns the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     workloads = sorted({w for w, _, _ in table})
+    servers = sorted({s for _, s, _ in table})
+    colours = dict(zip(servers, plt.get_cmap("tab10").colors))  # one colour per server in every panel
     fig, axes = plt.subplots(len(workloads), 3, figsize=(14, 3.6 * len(workloads)), squeeze=False)
     for row, workload in zip(axes, workloads):
-        for server in sorted({s for w, s, _ in table if w == workload}):
+        for server in servers:
             cs = sorted(c for w, s, c in table if w == workload and s == server)
             for ax, col in zip(row, ("tok/s", "TTFT p50 ms", "ITL p99 ms")):
                 points = [(c, table[(workload, server, c)][col]) for c in cs]
                 points = [(c, v) for c, v in points if v is not None]
                 if points:
-                    ax.plot(*zip(*points), marker="o", label=server)
-                ax.set_xscale("log", base=2)
-                ax.set_xticks(cs, [str(c) for c in cs])
+                    ax.plot(*zip(*points), marker="o", label=server, color=colours[server])
+                    ax.set_xscale("log", base=2)
+                    ax.set_xticks(cs, [str(c) for c in cs])
                 ax.set_title(f"{workload}: {col}")
                 ax.set_xlabel("concurrent clients")
-        row[0].legend()
+        for ax in row:
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return fig
 
 
 def main() -> None:

@@ -236,11 +236,7 @@ def _load_pair(
     if result.draft_vocab_ids is not None:
         result.draft_vocab_ids = result.draft_vocab_ids.to(device)
     if draft == AUTO:
-        why = auto_refusal(result.target, device, tp_size)
-        if why and draft_vocab not in (None, vocab.FULL):
-            raise BatchspecError(f"--draft-vocab needs a draft model, and {why}")
-        draft = None if why else SELF
-        result.drafter = why or "auto: the target's own int4 copy (proposer draft)"
+        draft = _choose_auto(result, device, tp_size, draft_vocab)
     if draft == SELF:
         _use_self_draft(result, device, draft_dtype, draft_quant, draft_vocab)
     elif draft_dtype is not None and draft_dtype != dtype:
@@ -263,12 +259,7 @@ def _load_pair(
             tune_linears(model)
     if why is None:
         compiled.cache_dir(diskcache.root())
-        compiled.install(result.target)
-        seconds = compiled.warm(result.target)
-        if result.draft_copies_target and all(isinstance(x, lean.LeanLayer) for x in result.draft.get_decoder().layers):
-            compiled.install(result.draft)  # its int4/int8 products are PyTorch kernels: traced into the graph
-            seconds += compiled.warm(result.draft)
-        result.startup = {"forward": "compiled", "compile_s": round(seconds, 3)}
+        result.startup = {"forward": "compiled", "compile_s": round(_compile(result), 3)}
     else:
         if compile:  # asked for and refused: say why, once
             warnings.warn(f"running the target eager: {why}", stacklevel=3)
@@ -277,6 +268,27 @@ def _load_pair(
         result.startup["drafter"] = result.drafter
     result.draft_quant = draft_quant if draft_quant not in (None, "none") else None
     return result
+
+
+def _compile(pair: ModelPair) -> float:
+    """Compile the target's decoder, and its own copy's where the draft is one of lean layers (the
+    copy's int4/int8 products are PyTorch kernels, traced into its graph); seconds taken."""
+    compiled.install(pair.target)
+    seconds = compiled.warm(pair.target)
+    if pair.draft_copies_target and all(isinstance(x, lean.LeanLayer) for x in pair.draft.get_decoder().layers):
+        compiled.install(pair.draft)
+        seconds += compiled.warm(pair.draft)
+    return seconds
+
+
+def _choose_auto(pair: ModelPair, device: str, tp_size: int, draft_vocab) -> str | None:
+    """`--draft auto`: SELF, or None (lookup alone) where `auto_refusal` says why; the choice and
+    its reason kept in `pair.drafter`."""
+    why = auto_refusal(pair.target, device, tp_size)
+    if why and draft_vocab not in (None, vocab.FULL):
+        raise BatchspecError(f"--draft-vocab needs a draft model, and {why}")
+    pair.drafter = why or "auto: the target's own int4 copy (proposer draft)"
+    return None if why else SELF
 
 
 def auto_refusal(target: torch.nn.Module, device: str, tp_size: int) -> str | None:
