@@ -520,7 +520,8 @@ def pair_spec(args) -> PairSpec:
     """Where the pair comes from (the model options). A --target without --draft gets `auto`
     unless the proposer asked for needs no draft model."""
     draft = args.draft
-    if draft is None and args.target is not None and getattr(args, "proposer", None) in (None, "draft", "ngram+draft"):
+    proposer = getattr(args, "proposer", None)
+    if draft is None and args.target is not None and args.pair is None and proposer in (None, "draft", "ngram+draft"):
         draft = AUTO
     return PairSpec(
         args.pair,
