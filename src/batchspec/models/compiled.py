@@ -135,6 +135,8 @@ class CompiledDecoder:
         slots = {}
         for layer in decoder.layers:
             for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                if isinstance(linear, QuantLinear):  # traced into the graph (LeanStack.product): no slot
+                    continue
                 slot = len(_PRODUCTS)
                 _PRODUCTS[slot], slots[id(linear)] = weakref.ref(linear), slot
         self.slots = slots

@@ -19,7 +19,7 @@ def make_proposer(pair: ModelPair, config: EngineConfig) -> tuple[Proposer | Non
     if not config.speculative:
         return None, None
     name = config.proposer or pair.default_proposer
-    if pair.draft_quant is not None and name in ("ngram", "eagle", "ngram+eagle"):
+    if pair.draft_quant is not None and model_proposer(name) != "draft":
         default = " (the pair's default)" if config.proposer is None else ""
         raise BatchspecError(
             f"--draft-quant {pair.draft_quant} quantizes the draft model, which --proposer {name}{default} "
