@@ -114,19 +114,20 @@ def test_a_longest_gap_bounds_every_chunk_idle_rows_or_not():
     assert Admission(ctx=None, max_gap_s=0.5).chunk(1, 4) == Admission(ctx=None).first_chunk  # nothing timed yet
 
 
-def _burst(pair, max_gap_s):
+def _burst(pair, max_gap_s, fitted_b=0.001, forwards=None):
     """One running row, then six prompts of 100 tokens at once; the prompt tokens each iteration
-    prefilled while the running row was waiting for its step (a fixed cost model: 1 ms a token,
-    10 ms a step), and the outputs."""
+    prefilled while the running row was waiting for its step (a fixed cost model: `fitted_b`
+    seconds a token, 10 ms a step; each forward is timed at 1 ms a token), and the outputs.
+    `forwards`: a list that gets the prefill forwards each of those iterations ran."""
     dec = SpecDecoder(pair, method="ragged", k=3)
     ctx = Context.of(pair, dec.proposer, 3, None)
     loop = Loop(ctx, RaggedBatch(ctx.models(), 8, 2048, ctx.k, ctx.pad_id, ctx.device), max_gap_s=max_gap_s)
     adm = loop.admission
-    adm.cost.a, adm.cost.b, adm.step_s = 0.0, 0.001, 0.01
+    adm.cost.a, adm.cost.b, adm.step_s = 0.0, fitted_b, 0.01
     adm.cost.observe = adm.observe_step = lambda *args: None  # the costs stay as set
     fed = []
     original = adm._observe_prefill
-    adm._observe_prefill = lambda tokens, seconds: (fed.append(tokens), original(tokens, seconds))
+    adm._observe_prefill = lambda tokens, seconds: (fed.append(tokens), original(tokens, 0.001 * tokens))
     prompts = [random_prompts(7, 1, 10, 11)[0], *random_prompts(8, 6, 100, 101)]
     seqs = dec.make_sequences(prompts, SamplingParams(max_new_tokens=40))
     loop.add(seqs[0])
@@ -140,6 +141,8 @@ def _burst(pair, max_gap_s):
         loop.iterate()
         if running:
             per_iteration.append(sum(fed))
+            if forwards is not None:
+                forwards.append(len(fed))
     return per_iteration, [s.generated for s in seqs], prompts
 
 
@@ -149,6 +152,16 @@ def test_a_burst_of_long_prompts_keeps_a_running_rows_gap_under_the_budget(tiny6
     assert outputs == reference_tokens(tiny64, prompts, 40)
     unbounded, _, _ = _burst(tiny64, max_gap_s=None)
     assert max(unbounded) >= 600  # without it, the whole burst in one iteration: a stall of 60 steps
+
+
+def test_a_cost_fit_that_is_wrong_costs_at_most_one_forward_past_the_gap(tiny64):
+    """The fit says prefill costs a hundredth of what the forwards take (few forwards timed, one-time
+    costs): its token limit lets the whole burst in, but the measured seconds stop each iteration
+    after its first forward, which already fills the gap."""
+    forwards = []
+    per_iteration, outputs, prompts = _burst(tiny64, max_gap_s=0.05, fitted_b=1e-5, forwards=forwards)
+    assert forwards and max(forwards) == 1 and max(per_iteration) < 600  # 600: the whole burst at once
+    assert outputs == reference_tokens(tiny64, prompts, 40)
 
 
 def test_a_wave_at_an_idle_server_stops_once_its_first_rows_run(tiny64, monkeypatch):

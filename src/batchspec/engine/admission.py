@@ -21,7 +21,9 @@ rows are at least as many as the running ones, unless a longest gap between a ru
 is set (`max_gap_s`, the server's `--max-itl-ms`): then every iteration prefills at most what
 fits in that gap beside its decode step, whatever waits, and the chunk is the smaller of the two;
 and a wave that found nothing running stops once its first forward has started rows, at that much
-more (those rows, holding their first token, wait for their second).
+more (those rows, holding their first token, wait for their second). The forwards' measured seconds
+count against the gap as the iteration goes, so a cost fit that is wrong costs at most one forward
+past it.
 Chunking moves no prefill work, it only chooses who waits: m chunks buy the R running rows m more
 steps and delay the I idle rows' first steps by m steps, a net loss of (I - R) x m row-steps
 whenever I > R, and no gain at I = R, where the waiting prompt's first token comes sooner at once
@@ -122,6 +124,9 @@ class Admission:
         self.progress = None  # called after each prefill forward (the online engine's heartbeat)
         self.chunks = 0  # prefill forwards that stopped short of a prompt's end
         self.prefixes: PrefixCache | None = None  # where prompts start from, if set (Loop sets it)
+        #: Prefill seconds measured this iteration since a running row last had a step (None: no
+        #: row waits yet); with `max_gap_s`, what the rest of the iteration may still spend.
+        self.waited: float | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -167,6 +172,8 @@ class Admission:
 
     def _observe_prefill(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
+        if self.waited is not None:
+            self.waited += seconds
         if self.progress is not None:
             self.progress()
 
@@ -174,14 +181,16 @@ class Admission:
         """One iteration's prefill work for `batch` (a RaggedBatch). Returns the sequences that
         finished at their first token (they never enter the batch)."""
         # None: nothing running, nothing to stall. A measured chunk is rank 0's on every rank (tp.py).
-        limit = None
+        limit, self.waited = None, None
         if len(batch):
             idle = min(batch.free, len(self.waiting)) + (self.partial is not None)
             limit = self.chunk(len(batch), idle)
             limit = limit if self.fixed_chunk is not None else tp.agree(limit)
+            self.waited = 0.0
         spent, finished = 0, []
         if self.partial is not None:
             spent, finished = self._feed(batch, limit)
+            limit = self._bounded(batch, limit, spent)
         while self.partial is None and self.waiting and batch.fits(self.waiting[0]):
             room = None if limit is None else limit - spent
             if room is not None and room <= 0:
@@ -213,13 +222,23 @@ class Admission:
         return finished
 
     def _bounded(self, batch, limit: int | None, spent: int) -> int | None:
-        """The iteration's limit once rows run: an unbounded wave (nothing was running) stops
-        at the gap's worth of tokens past what it has fed, since the rows it started now wait for
-        their next step (each forward hands out first tokens; the rest must not hold them)."""
-        if limit is not None or self.max_gap_s is None or not len(batch):
+        """The iteration's limit after a forward, once rows run and a gap is set. An unbounded wave
+        (nothing was running) stops at the gap's worth of tokens past what it has fed, since the
+        rows it started now wait for their next step (each forward hands out first tokens; the
+        rest must not hold them). After that, the forwards' measured seconds count: the limit
+        is what the cost fit says fits in the gap's time left, and nothing once it is spent. So
+        a fit that is wrong (a few forwards timed, the first shapes' one-time costs: a fixed part of
+        0.27 s and 0.13 ms a token was seen, which let 2,300 tokens into a 0.5 s gap) costs at most
+        one forward past the gap, and the next forwards are sized by the fit it corrected."""
+        if self.max_gap_s is None or self.fixed_chunk is not None or not len(batch):
             return limit
-        idle = min(batch.free, len(self.waiting))
-        return spent + tp.agree(self.chunk(len(batch), idle))
+        if self.waited is None:  # this forward started the first rows: their gap begins now
+            self.waited = 0.0
+            idle = min(batch.free, len(self.waiting))
+            return spent + tp.agree(self.chunk(len(batch), idle))
+        left = self.max_gap_s - (self.step_s or 0.0) - self.waited
+        timed = spent + (self.cost.tokens_for(left) if left > 0 and self.cost.b is not None else 0)
+        return tp.agree(timed if limit is None else min(limit, timed))
 
     def _open(self, batch, seq: Sequence, hit=None) -> PaddedBatch:
         """A one-row padded batch for a prompt to be fed alone (in chunks, or after a cached
