@@ -4,10 +4,11 @@ Usage: python scripts/serve_report.py OUT   (writes OUT/report.md, OUT/summary.j
 
 Per (workload, server, C): output throughput (the offline engine's too, where it ran: prefill
 included, as a client's wall clock counts it), TTFT p50/p99, ITL p50/p99 (the gap between streamed
-chunks, as a client sees it) and TPOT p50 (a request's decode time per token), each the median over
-rounds. Ratios to the peer (`transformers`), to the offline engine and to `--no-spec` are taken
-within a round, then the median over rounds, since one server's speed alone drifts between runs on a
-shared machine.
+chunks, as a client sees it: aiperf's inter-chunk latency) and TPOT p50/p99 (a request's decode time
+per token: what aiperf calls its inter-token latency, where a speculative chunk's tokens count one by
+one), each the median over rounds. Ratios to the peer (`transformers`), to the offline engine and to
+`--no-spec` are taken within a round, then the median over rounds, since one server's speed alone
+drifts between runs on a shared machine.
 """
 
 import json
@@ -24,6 +25,7 @@ METRICS = {  # column: (aiperf metric, statistic)
     "ITL p50 ms": ("inter_chunk_latency", "p50"),
     "ITL p99 ms": ("inter_chunk_latency", "p99"),
     "TPOT p50 ms": ("inter_token_latency", "p50"),
+    "TPOT p99 ms": ("inter_token_latency", "p99"),
 }
 
 

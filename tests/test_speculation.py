@@ -358,6 +358,20 @@ def test_each_width_learns_what_the_shared_load_leaves():
     assert model.describe()["5"]["scale"] > model.describe()["1"]["scale"]
 
 
+def test_a_width_timed_rarely_learns_its_cost_from_its_first_steps():
+    """A policy that nearly always verifies: 2-token steps take 1.5x their probe, the plain step
+    (timed once per 32 steps, as the policy explores it) its probe. After one plain step its
+    estimate is its own, not the load that the verifies taught (1.5x)."""
+    probe = lambda b, q: 0.03 + 0.002 * b * q  # noqa: E731
+    model = StepCost([(b, q, s, probe(b, q)) for q in (1, 2) for b in (1, 4, 16) for s in (10, 500)])
+    for i in range(64):
+        if i == 32:
+            model.observe(9, 1, 300, probe(9, 1))
+        model.observe(9, 2, 300, 1.5 * probe(9, 2))
+    assert model(9, 1, 300) == pytest.approx(probe(9, 1), rel=0.1)
+    assert model(9, 2, 300) == pytest.approx(1.5 * probe(9, 2), rel=0.1)
+
+
 def test_cost_model_does_not_extrapolate_recent_batch_shapes():
     """Timed steps that all share one batch shape (8 rows, short spans; 10% slower than probed,
     with noise) leave the predictions elsewhere (one row, a long span) within the noise of the
