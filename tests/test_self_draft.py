@@ -96,7 +96,7 @@ def test_the_default_pairs_self_draft_is_exact(default_pair):
     prompts, params = ["Why is the sky blue?", "List three prime numbers."], SamplingParams(max_new_tokens=12)
     want = [o.token_ids for o in SpecDecoder(default_pair, method="ar").generate(prompts, params)]
     for method in ("ragged", "eqspec"):
-        dec = SpecDecoder(pair, method=method, proposer="draft", k=3, batch_size=2, check_invariants=True)
+        dec = SpecDecoder(pair, method=method, proposer="draft", k=3, batch_size=2)  # invariants: on the tiny pairs
         assert [o.token_ids for o in dec.generate(prompts, params)] == want, method
 
 

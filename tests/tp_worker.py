@@ -16,9 +16,9 @@ from batchspec.distributed import tp
 from batchspec.models.pair import load_pair
 
 RUNS = {
-    "greedy": SamplingParams(max_new_tokens=24),
-    "seeded": SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=24),
-    "unseeded": SamplingParams(temperature=0.8, max_new_tokens=24),  # ranks agree; no single-process twin
+    "greedy": SamplingParams(max_new_tokens=16),
+    "seeded": SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=16),
+    "unseeded": SamplingParams(temperature=0.8, max_new_tokens=16),  # ranks agree; no single-process twin
 }
 
 
