@@ -221,10 +221,8 @@ def test_shipped_head_on_the_default_pair(default_pair):
     head = load_head(default_pair.target)
     assert head.head.shape == (len(head.vocab_ids), default_pair.target.config.hidden_size)
     ref = reference_tokens(default_pair, [default_pair.encode(p) for p in PROMPTS], 20)
-    for method in (
-        "eqspec",
-        "ragged",
-    ):  # the layouts' invariants are checked on the tiny pairs (a fresh prefill a step)
+    # The layouts' invariants (a fresh prefill a step) are checked on the tiny pairs.
+    for method in ("eqspec", "ragged"):
         dec = SpecDecoder(default_pair, method=method, proposer="eagle", k=4, batch_size=4)
         got = [o.token_ids for o in dec.generate(PROMPTS, SamplingParams(max_new_tokens=20))]
         assert got == ref, method
