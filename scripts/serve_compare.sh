@@ -10,7 +10,7 @@
 # Servers: transformers (the peer), batchspec (its defaults), nospec (batchspec --no-spec), nocache
 #   (batchspec --no-prefix-cache), nowindow (batchspec --arrival-window-ms 0), spin (batchspec --spin),
 #   spinoff (batchspec --spin off), nogap (batchspec --max-itl-ms 0: a wave of prompts prefilled at once),
-#   gapN (batchspec --max-itl-ms N),
+#   gapN (batchspec --max-itl-ms N), stepsN (batchspec --max-itl-steps N; steps0: the gap in ms alone),
 #   and offline: not a server but `batchspec bench --methods ragged` at B = BATCH_SIZE on the same
 #   Spec-Bench prompts (run at C = BATCH_SIZE only), the engine the server should keep up with.
 # Workloads: specbench (16 Spec-Bench chat prompts, every 30th: real text, where lookup and the draft
@@ -85,6 +85,7 @@ start() {  # start server $1 on port $2, logging to $3; prints its pid
     spinoff) batchspec_serve "$2" "$3" --spin off ;;
     nogap) batchspec_serve "$2" "$3" --max-itl-ms 0 ;;
     gap[0-9]*) batchspec_serve "$2" "$3" --max-itl-ms "${1#gap}" ;;
+    steps[0-9]*) batchspec_serve "$2" "$3" --max-itl-steps "${1#steps}" ;;
     *) echo "unknown server $1" >&2; exit 2 ;;
   esac
   echo $!

@@ -112,16 +112,21 @@ def test_a_longest_gap_bounds_every_chunk_idle_rows_or_not():
     adm.max_gap_s = 0.1  # less than a step and the fixed part: the least chunk worth a forward
     assert adm.chunk(running=8, idle=8) == 50
     assert Admission(ctx=None, max_gap_s=0.5).chunk(1, 4) == Admission(ctx=None).first_chunk  # nothing timed yet
+    adm.max_gap_s, adm.gap_steps = 0.5, 2.0  # the gap: at most two 0.2 s steps
+    assert adm.gap_s == 0.4 and adm.chunk(running=1, idle=7) == 150  # (0.4 - 0.2 - 0.05) / 0.001
+    adm.gap_steps = 4.0  # four steps are more than 0.5 s: the bound in seconds holds
+    assert adm.gap_s == 0.5 and adm.chunk(running=1, idle=7) == 250
 
 
-def _burst(pair, max_gap_s, fitted_b=0.001, forwards=None):
+def _burst(pair, max_gap_s, fitted_b=0.001, forwards=None, gap_steps=None):
     """One running row, then six prompts of 100 tokens at once; the prompt tokens each iteration
     prefilled while the running row was waiting for its step (a fixed cost model: `fitted_b`
     seconds a token, 10 ms a step; each forward is timed at 1 ms a token), and the outputs.
     `forwards`: a list that gets the prefill forwards each of those iterations ran."""
     dec = SpecDecoder(pair, method="ragged", k=3)
     ctx = Context.of(pair, dec.proposer, 3, None)
-    loop = Loop(ctx, RaggedBatch(ctx.models(), 8, 2048, ctx.k, ctx.pad_id, ctx.device), max_gap_s=max_gap_s)
+    batch = RaggedBatch(ctx.models(), 8, 2048, ctx.k, ctx.pad_id, ctx.device)
+    loop = Loop(ctx, batch, max_gap_s=max_gap_s, gap_steps=gap_steps)
     adm = loop.admission
     adm.cost.a, adm.cost.b, adm.step_s = 0.0, fitted_b, 0.01
     adm.cost.observe = adm.observe_step = lambda *args: None  # the costs stay as set
@@ -152,6 +157,16 @@ def test_a_burst_of_long_prompts_keeps_a_running_rows_gap_under_the_budget(tiny6
     assert outputs == reference_tokens(tiny64, prompts, 40)
     unbounded, _, _ = _burst(tiny64, max_gap_s=None)
     assert max(unbounded) >= 600  # without it, the whole burst in one iteration: a stall of 60 steps
+
+
+def test_a_gap_in_steps_keeps_a_few_short_steps_from_waiting_on_a_long_chunk(tiny64):
+    """A 0.5 s gap would let the whole burst in beside a 10 ms step; at most three steps' worth
+    (30 ms) leaves 20 ms, 20 tokens, for prefill in each iteration the running row waits through."""
+    per_iteration, outputs, prompts = _burst(tiny64, max_gap_s=0.5, gap_steps=3.0)
+    assert max(per_iteration) <= 20 and sum(per_iteration) > 0
+    assert outputs == reference_tokens(tiny64, prompts, 40)
+    seconds_only, _, _ = _burst(tiny64, max_gap_s=0.5)
+    assert max(seconds_only) >= 400
 
 
 def test_a_cost_fit_that_is_wrong_costs_at_most_one_forward_past_the_gap(tiny64):

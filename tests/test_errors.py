@@ -141,6 +141,21 @@ def test_arrival_window_out_of_range(ms):
         ServeConfig(arrival_window_ms=ms)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_itl_ms", -1, "--max-itl-ms must be >= 0"),
+        ("max_itl_steps", 0.5, "--max-itl-steps must be 0 \\(no bound\\) or >= 1"),
+        ("max_itl_steps", -2, "--max-itl-steps must be 0"),
+    ],
+)
+def test_a_gap_bound_out_of_range(field, value, message):
+    from batchspec.serving.config import ServeConfig
+
+    with pytest.raises(BatchspecError, match=message):
+        ServeConfig(**{field: value})
+
+
 def test_an_unknown_spin_mode_is_refused_by_the_cli_and_the_config(capsys):
     from batchspec.cli import build_parser
     from batchspec.serving.config import ServeConfig

@@ -26,7 +26,7 @@ from .models import invariant
 from .models.pair import AUTO, DTYPES, PAIRS, PairSpec, target_config
 from .models.quant import QUANTS
 from .serving import access
-from .serving.config import DEFAULT_MAX_ITL_MS, ServeConfig
+from .serving.config import DEFAULT_MAX_ITL_MS, DEFAULT_MAX_ITL_STEPS, ServeConfig
 from .tools import bench, equivalence
 from .tools.prompts import Prompt, read_prompts
 
@@ -302,6 +302,13 @@ def _serve_parser(sub) -> None:
         f"iteration prefills only what fits beside its decode step (default {DEFAULT_MAX_ITL_MS:g}; 0: no bound)",
     )
     g.add_argument(
+        "--max-itl-steps",
+        type=float,
+        default=DEFAULT_MAX_ITL_STEPS,
+        help="with --max-itl-ms, that gap is also at most this many decode steps as measured, the step itself "
+        f"included (default {DEFAULT_MAX_ITL_STEPS:g}; 0: no such bound)",
+    )
+    g.add_argument(
         "--spin",
         nargs="?",
         const="on",
@@ -399,6 +406,7 @@ def serve_config(args) -> ServeConfig:
         max_queue=args.max_queue,
         arrival_window_ms=args.arrival_window_ms,
         max_itl_ms=args.max_itl_ms,
+        max_itl_steps=args.max_itl_steps,
         spin=args.spin,
         served_model_name=args.served_model_name,
         prefix_cache=not args.no_prefix_cache,

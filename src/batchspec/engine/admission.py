@@ -112,11 +112,14 @@ class Admission:
         share: float = SHARE,
         first_chunk: int = 256,
         max_gap_s: float | None = None,
+        gap_steps: float | None = None,
     ):
         """`max_gap_s`: the longest a running row should wait between two steps; an iteration
-        prefills only what fits in it beside a decode step (None: no bound of its own)."""
+        prefills only what fits in it beside a decode step (None: no bound of its own).
+        `gap_steps`: with `max_gap_s`, the gap is also at most this many measured decode steps
+        (None: no relative bound)."""
         self.ctx, self.fixed_chunk, self.share, self.first_chunk = ctx, fixed_chunk, share, first_chunk
-        self.max_gap_s = max_gap_s
+        self.max_gap_s, self.gap_steps = max_gap_s, gap_steps
         self.waiting: deque[Sequence] = deque()
         self.partial: PaddedBatch | None = None  # one row, fed chunk by chunk
         self.step_s: float | None = None  # decode step seconds (exponential average)
@@ -164,8 +167,16 @@ class Admission:
             by_share = max(MIN_CHUNK, self.cost.tokens_for(share * self.step_s))
         if self.max_gap_s is None:
             return by_share
-        by_gap = max(MIN_CHUNK, self.cost.tokens_for(self.max_gap_s - self.step_s))  # the step runs too
+        by_gap = max(MIN_CHUNK, self.cost.tokens_for(self.gap_s - self.step_s))  # the step runs too
         return by_gap if by_share is None else min(by_share, by_gap)
+
+    @property
+    def gap_s(self) -> float | None:
+        """The longest gap prefill may open between a running row's steps now: `max_gap_s`, and at
+        most `gap_steps` decode steps as last measured (None: no bound)."""
+        if self.max_gap_s is None or self.gap_steps is None or self.step_s is None:
+            return self.max_gap_s
+        return min(self.max_gap_s, self.gap_steps * self.step_s)
 
     def observe_step(self, seconds: float) -> None:
         self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
@@ -236,7 +247,7 @@ class Admission:
             self.waited = 0.0
             idle = min(batch.free, len(self.waiting))
             return spent + tp.agree(self.chunk(len(batch), idle))
-        left = self.max_gap_s - (self.step_s or 0.0) - self.waited
+        left = self.gap_s - (self.step_s or 0.0) - self.waited
         timed = spent + (self.cost.tokens_for(left) if left > 0 and self.cost.b is not None else 0)
         return tp.agree(timed if limit is None else min(limit, timed))
 

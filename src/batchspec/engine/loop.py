@@ -29,15 +29,17 @@ class Loop:
         prefill_chunk: int | None = None,
         prefix_cache_tokens: int | None = None,
         max_gap_s: float | None = None,
+        gap_steps: float | None = None,
     ):
         """`prefix_cache_tokens`: keep up to this many tokens of leaving rows' entries for later
         prompts that begin the same way (`prefixes`, a prefixes.PrefixCache; None: none).
-        `max_gap_s`: the longest gap between a running row's steps that prefill may cause (admission.py)."""
+        `max_gap_s`: the longest gap between a running row's steps that prefill may cause, and
+        `gap_steps`: at most that many measured decode steps (admission.py)."""
         self.ctx, self.batch = ctx, batch
         self.prefixes = None
         if prefix_cache_tokens is not None:
             self.prefixes = PrefixCache(prefix_cache_tokens, ctx.features)
-        self.admission = Admission(ctx, fixed_chunk=prefill_chunk, max_gap_s=max_gap_s)
+        self.admission = Admission(ctx, fixed_chunk=prefill_chunk, max_gap_s=max_gap_s, gap_steps=gap_steps)
         self.admission.prefixes = batch.prefixes = self.prefixes
 
     @property

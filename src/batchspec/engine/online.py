@@ -118,18 +118,20 @@ class OnlineEngine:
         worker: EngineThread | None = None,
         spin_rows: int | None = None,
         max_gap_s: float | None = None,
+        gap_steps: float | None = None,
     ):
         """`worker`: the thread to run the loop on (default: a new one). `spin_rows`: let the
         OpenMP workers spin while no other process is busy, and beside one while the batch holds
         at least that many rows and the iteration prefills nothing (threads.Spin; None: leave
         them as they are). `max_gap_s`: the longest gap prefill may open between a running row's
-        steps (admission.py; None: no bound)."""
+        steps (admission.py; None: no bound); `gap_steps`: at most that many decode steps (None:
+        no relative bound)."""
         self.ctx, self.capacity, self.budget, self.decode = ctx, capacity, budget, decode
         self.max_queue, self.arrival_window = max_queue, arrival_window
         ctx.observe = self._observe
         if ctx.speculation is not None:
             ctx.speculation.defer = True  # its slow upkeep waits for a moment without requests
-        self.loop = Loop(ctx, self._new_batch(), prefill_chunk, prefix_cache_tokens, max_gap_s)
+        self.loop = Loop(ctx, self._new_batch(), prefill_chunk, prefix_cache_tokens, max_gap_s, gap_steps)
         self.loop.admission.progress = self._beat  # a long prefill is progress, not a stall
         self.prefixes = self.loop.prefixes  # the prefix cache (prefixes.py), or None
         self.requests: dict[int, Request] = {}  # id(seq) -> request, engine thread only

@@ -21,6 +21,9 @@ DEFAULT_KV_PER_ROW = 2048
 #: --max-itl-ms by default: an iteration prefills only what keeps a running row's gap between two
 #: steps under this (engine/admission.py; docs/serving.md, "Admission").
 DEFAULT_MAX_ITL_MS = 500.0
+#: --max-itl-steps by default: that gap is also at most this many measured decode steps, so a few
+#: running rows with short steps are not held for a long chunk (docs/serving.md, "Admission").
+DEFAULT_MAX_ITL_STEPS = 2.5
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class ServeConfig:
     max_queue: int = 256
     arrival_window_ms: float = 50.0
     max_itl_ms: float = DEFAULT_MAX_ITL_MS  # the longest gap prefill may open between a running row's steps; 0: none
+    max_itl_steps: float = DEFAULT_MAX_ITL_STEPS  # and at most this many decode steps; 0: no such bound
     spin: str = "auto"  # whether the OpenMP workers spin between products: threads.SPIN_MODES
     served_model_name: str | None = None
     prefix_cache: bool = True
@@ -53,6 +57,10 @@ class ServeConfig:
             raise BatchspecError(f"--arrival-window-ms must be between 0 and 1000, got {self.arrival_window_ms:g}")
         if not self.max_itl_ms >= 0:
             raise BatchspecError(f"--max-itl-ms must be >= 0 (0: no bound), got {self.max_itl_ms:g}")
+        if not (self.max_itl_steps == 0 or self.max_itl_steps >= 1):
+            raise BatchspecError(
+                f"--max-itl-steps must be 0 (no bound) or >= 1 (the step itself), got {self.max_itl_steps:g}"
+            )
         if self.spin not in SPIN_MODES:
             raise BatchspecError(f"--spin must be one of {', '.join(SPIN_MODES)}, got {self.spin!r}")
         budget = self.engine.kv_budget_tokens

@@ -462,6 +462,7 @@ def _build_service(config: ServeConfig, worker: EngineThread) -> Service:
         worker,
         SPIN_ROWS if config.spin == "auto" else None,
         config.max_itl_ms / 1000 or None,
+        config.max_itl_steps or None,
     )
     service = Service(engine, pair, config.served_model_name or pair.name, lock)
     service.policy = config.access
