@@ -151,6 +151,40 @@ def test_speculative_paths_leave_the_state_unchanged(one_layer):
     assert grammar.allowed(m.mask(), one_layer.vocab_size).nonzero().flatten().tolist() == [eos]
 
 
+@given(seed=st.integers(0, 10_000), cut=st.integers(0, 40), spoil=st.booleans())
+def test_batched_chain_masks_equal_each_row_walked_alone(one_layer, seed, cut, spoil):
+    """chain_masks (one llguidance call for the batch) gives what Matcher.along gives each row over
+    its chain's prefixes: also past a refused draft, across an EOS, at the grammar's end, for free
+    rows; and it leaves every state as it was."""
+    rng = random.Random(seed)
+    tok, eos = one_layer.tokenizer, next(iter(one_layer.eos_ids))
+    texts = ['{"id": 12, "colour": "red", "tags": ["ab"], "ok": true}', "3f9a-0b", "maybe", "(12, x, 7)"]
+    rows, chains = [], []
+    for constraint, text in zip(CONSTRAINTS[1:], [texts[1], texts[2], texts[0], texts[3]]):
+        if rng.random() < 0.25:
+            rows.append(type("Row", (), {"matcher": None})())
+            chains.append([rng.randrange(100) for _ in range(rng.randrange(5))])
+            continue
+        m = one_layer.matcher(SamplingParams(**constraint))
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [eos]
+        start = min(cut, len(ids) - 1)
+        m.advance(ids[: rng.randint(0, start)])
+        chain = ids[len(m.tokens) :][: rng.randrange(8)]
+        if spoil and chain:
+            chain[rng.randrange(len(chain))] = rng.randrange(one_layer.vocab_size)
+        rows.append(type("Row", (), {"matcher": m})())
+        chains.append(chain)
+    if all(r.matcher is None for r in rows):
+        assert grammar.chain_masks(rows, chains) is None
+        return
+    before = [(list(r.matcher.tokens), r.matcher.mask()) for r in rows if r.matcher is not None]
+    batched = grammar.chain_masks(rows, chains)
+    paths = [[chain[:i] for i in range(len(chain) + 1)] for chain in chains]
+    assert torch.equal(batched, grammar.row_masks(rows, paths))
+    after = [(list(r.matcher.tokens), r.matcher.mask()) for r in rows if r.matcher is not None]
+    assert all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(before, after))
+
+
 def test_forced_tokens_are_the_fixed_keys(one_layer):
     m = one_layer.matcher(SamplingParams(json_schema=SCHEMA))
     m.advance(one_layer.tokenizer("{", add_special_tokens=False)["input_ids"])

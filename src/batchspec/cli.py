@@ -299,14 +299,15 @@ def _serve_parser(sub) -> None:
         type=float,
         default=DEFAULT_MAX_ITL_MS,
         help="the longest gap between a running request's steps that prefilling new prompts may cause: each "
-        f"iteration prefills only what fits beside its decode step (default {DEFAULT_MAX_ITL_MS:g}; 0: no bound)",
+        "iteration prefills only what fits beside its decode step, within this and --max-itl-steps "
+        f"(default {DEFAULT_MAX_ITL_MS:g}; 0: no bound in ms; both bounds are off under --prefill-chunk)",
     )
     g.add_argument(
         "--max-itl-steps",
         type=float,
         default=DEFAULT_MAX_ITL_STEPS,
-        help="with --max-itl-ms, that gap is also at most this many decode steps as measured, the step itself "
-        f"included (default {DEFAULT_MAX_ITL_STEPS:g}; 0: no such bound)",
+        help="that gap is also at most this many decode steps as measured, the step itself included "
+        f"(default {DEFAULT_MAX_ITL_STEPS:g}; 0: no bound in steps)",
     )
     g.add_argument(
         "--spin",

@@ -16,6 +16,7 @@ the argmax of the masked logits; sampling: the Gumbel pick of the masked distrib
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -149,6 +150,14 @@ class Matcher:
         """How many leading `tokens` the grammar allows from here (nothing is consumed)."""
         return self._m.validate_tokens(tokens) if tokens else 0
 
+    def walkable(self, chain: list[int]) -> list[int]:
+        """The leading drafts of `chain` that `along` walks: up to the first one the grammar
+        refuses or the first EOS (never consumed on a speculative path)."""
+        stop = next((i for i, token in enumerate(chain) if token in self.eos), len(chain))
+        # Cut here, not only by llguidance's walk: it also stops at a refused draft and where the
+        # grammar stops, but `along`'s meaning should not rest on that.
+        return chain[: self.valid(chain[:stop])]
+
     def mask(self) -> torch.Tensor:
         """[words] int32: bit t set where token t is allowed next."""
         out = torch.empty(self.words, dtype=torch.int32)
@@ -211,6 +220,48 @@ def apply(logits: torch.Tensor, bits: torch.Tensor | None) -> torch.Tensor:
     return logits.masked_fill(~allowed(bits.to(logits.device), logits.shape[-1]), float("-inf"))
 
 
+def chain_masks(seqs: list, chains: list[list[int]]) -> torch.Tensor | None:
+    """Each row's masks before each of its drafts `chains[b]` and after the last -> [B, n, W]
+    int32, n = 1 + the longest chain: `row_masks` of the chains' prefixes, in one llguidance call
+    for the batch (its own threads; each matcher walks its chain and rolls it back). All-allowed
+    for free rows, and from the first draft the grammar refuses or an EOS on (as `Matcher.along`);
+    None when no row has a grammar."""
+    matchers = [seq.matcher for seq in seqs]
+    first = next((m for m in matchers if m is not None), None)
+    if first is None:
+        return None
+    n = 1 + max(map(len, chains))
+    out = torch.full((len(seqs), n, first.words), -1, dtype=torch.int32)
+    walks = [(m._m, b * n, m.walkable(chain)) for b, (m, chain) in enumerate(zip(matchers, chains)) if m is not None]
+    args = (
+        out.data_ptr(),
+        4 * first.words,
+        len(seqs) * n,
+    )  # row b's masks: slots b * n .. b * n + len(walk) < (b + 1) n
+    if any(walk for _, _, walk in walks):  # llguidance's call with drafts wants some for every row
+        _executor().unsafe_compute_mask_ptr_with_draft_token([job for job in walks if job[2]], *args)
+    if not all(walk for _, _, walk in walks):
+        _executor().unsafe_compute_mask_ptr([(m, at) for m, at, walk in walks if not walk], *args)
+    _raise_errors(m for m, _, _ in walks)
+    return out
+
+
+@functools.cache
+def _executor():
+    """llguidance's thread pool for batched masks (one per process; its default size)."""
+    import llguidance
+
+    return llguidance.LLExecutor()
+
+
+def _raise_errors(matchers) -> None:
+    """A batched call ends a row's walk where its grammar fails (a bound of LIMITS hit) without
+    raising; raise it here, as a row's own calls would."""
+    for m in matchers:
+        if m.is_error():
+            raise RuntimeError(f"grammar error: {m.get_error()}")
+
+
 def row_masks(seqs: list, paths: list[list[list[int]]]) -> torch.Tensor | None:
     """Each row's masks after `paths[b]` (see Matcher.along) -> [B, n, W] int32, all-allowed for a
     free row; None when no row has a grammar."""
@@ -247,9 +298,9 @@ class DraftGuide:
             return logits
         words = next(m.words for m in self.matchers if m is not None)
         bits = torch.full((len(self.matchers), words), -1, dtype=torch.int32)
-        for b, (m, alive) in enumerate(zip(self.matchers, self.alive)):
-            if alive:
-                bits[b] = m.mask()
+        jobs = [(m._m, b) for b, (m, alive) in enumerate(zip(self.matchers, self.alive)) if alive]
+        _executor().unsafe_compute_mask_ptr(jobs, bits.data_ptr(), 4 * words, len(self.matchers))
+        _raise_errors(m for m, _ in jobs)
         ok = allowed(bits, self.matchers[self.alive.index(True)].vocab).to(logits.device)
         if head_ids is not None:
             ok = ok[:, head_ids.to(logits.device)]

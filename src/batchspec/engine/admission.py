@@ -18,8 +18,10 @@ running, so one running row does not hold fifteen waiting ones at a trickle, whi
 pays at most SHARE steps per iteration for a late arrival. While no row is running there is
 nothing to stall, and every waiting prompt that fits is prefilled at once; so too while the idle
 rows are at least as many as the running ones, unless a longest gap between a running row's steps
-is set (`max_gap_s`, the server's `--max-itl-ms`): then every iteration prefills at most what
-fits in that gap beside its decode step, whatever waits, and the chunk is the smaller of the two;
+is set (`max_gap_s`, the server's `--max-itl-ms`, and `gap_steps`, its `--max-itl-steps`: at most
+that many decode steps as last measured, so a few rows with short steps are not held for a long
+chunk; the smaller of the two): then every iteration prefills at most what fits in that gap beside
+its decode step, whatever waits, and the chunk is the smaller of the two;
 and a wave that found nothing running stops once its first forward has started rows, at that much
 more (those rows, holding their first token, wait for their second). The forwards' measured seconds
 count against the gap as the iteration goes, so a cost fit that is wrong costs at most one forward
@@ -116,8 +118,8 @@ class Admission:
     ):
         """`max_gap_s`: the longest a running row should wait between two steps; an iteration
         prefills only what fits in it beside a decode step (None: no bound of its own).
-        `gap_steps`: with `max_gap_s`, the gap is also at most this many measured decode steps
-        (None: no relative bound)."""
+        `gap_steps`: the gap is also at most this many decode steps, as last measured (None: no
+        such bound)."""
         self.ctx, self.fixed_chunk, self.share, self.first_chunk = ctx, fixed_chunk, share, first_chunk
         self.max_gap_s, self.gap_steps = max_gap_s, gap_steps
         self.waiting: deque[Sequence] = deque()
@@ -160,23 +162,31 @@ class Admission:
         if self.fixed_chunk is not None:
             return self.fixed_chunk
         if self.step_s is None or self.cost.b is None:
-            return None if idle >= running and self.max_gap_s is None else self.first_chunk
+            return None if idle >= running and not self.gapped else self.first_chunk
         by_share = None
         if idle < running:
             share = self.share * (running + idle) / max(running, 1)
             by_share = max(MIN_CHUNK, self.cost.tokens_for(share * self.step_s))
-        if self.max_gap_s is None:
+        if self.gap_s is None:
             return by_share
         by_gap = max(MIN_CHUNK, self.cost.tokens_for(self.gap_s - self.step_s))  # the step runs too
         return by_gap if by_share is None else min(by_share, by_gap)
 
     @property
+    def gapped(self) -> bool:
+        """Whether a longest gap is set, in seconds or in steps."""
+        return self.max_gap_s is not None or self.gap_steps is not None
+
+    @property
     def gap_s(self) -> float | None:
-        """The longest gap prefill may open between a running row's steps now: `max_gap_s`, and at
-        most `gap_steps` decode steps as last measured (None: no bound)."""
-        if self.max_gap_s is None or self.gap_steps is None or self.step_s is None:
-            return self.max_gap_s
-        return min(self.max_gap_s, self.gap_steps * self.step_s)
+        """The longest gap prefill may open between a running row's steps now: the smaller of
+        `max_gap_s` and `gap_steps` decode steps as last measured (None: no bound, or only one in
+        steps and no step measured yet)."""
+        bounds = [
+            self.max_gap_s,
+            None if self.gap_steps is None or self.step_s is None else self.gap_steps * self.step_s,
+        ]
+        return min((b for b in bounds if b is not None), default=None)
 
     def observe_step(self, seconds: float) -> None:
         self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
@@ -241,12 +251,14 @@ class Admission:
         a fit that is wrong (a few forwards timed, the first shapes' one-time costs: a fixed part of
         0.27 s and 0.13 ms a token was seen, which let 2,300 tokens into a 0.5 s gap) costs at most
         one forward past the gap, and the next forwards are sized by the fit it corrected."""
-        if self.max_gap_s is None or self.fixed_chunk is not None or not len(batch):
+        if not self.gapped or self.fixed_chunk is not None or not len(batch):
             return limit
         if self.waited is None:  # this forward started the first rows: their gap begins now
             self.waited = 0.0
             idle = min(batch.free, len(self.waiting))
             return spent + tp.agree(self.chunk(len(batch), idle))
+        if self.gap_s is None:  # a gap in steps only, and no step measured yet
+            return limit
         left = self.gap_s - (self.step_s or 0.0) - self.waited
         timed = spent + (self.cost.tokens_for(left) if left > 0 and self.cost.b is not None else 0)
         return tp.agree(timed if limit is None else min(limit, timed))

@@ -239,7 +239,7 @@ def _first(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """logits [B, V] -> each row's first token, picked under the noise of its next position."""
     params = RowParams.of([s.params for s in seqs], logits.device)
     noise = None if params.greedy else row_noise(seqs, 1, logits.shape[-1], logits.device)
-    bits = grammar.row_masks(seqs, [[[]] for _ in seqs])
+    bits = grammar.chain_masks(seqs, [[] for _ in seqs])
     return _pick(grammar.apply(logits[:, None], bits), params, noise)[:, 0]
 
 

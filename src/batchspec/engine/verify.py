@@ -98,12 +98,12 @@ def masks(seqs: list, verified: Verified, limit: torch.Tensor | None) -> torch.T
     columns = verified.logits.shape[1]
     if verified.tree is None:
         counts = [verified.width] * len(seqs) if limit is None else limit.tolist()
-        paths = [[row[:i] for i in range(n + 1)] for row, n in zip(verified.drafts.tolist(), counts)]
+        bits = grammar.chain_masks(seqs, [row[:n] for row, n in zip(verified.drafts.tolist(), counts)])
     else:
         paths = [
             _tree_paths(nodes, parent) for nodes, parent in zip(verified.nodes.tolist(), verified.tree.parent.tolist())
         ]
-    bits = grammar.row_masks(seqs, paths)
+        bits = grammar.row_masks(seqs, paths)
     return torch.nn.functional.pad(bits, (0, 0, 0, columns - bits.shape[1]), value=-1)
 
 
