@@ -185,6 +185,15 @@ def test_batched_chain_masks_equal_each_row_walked_alone(one_layer, seed, cut, s
     assert all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(before, after))
 
 
+@given(st.lists(st.integers(0, 99), max_size=3), st.integers(1, 100))
+def test_the_one_allowed_token_is_read_from_its_word(tokens, vocab):
+    bits = torch.zeros(4, dtype=torch.int32)
+    for t in tokens:
+        bits[t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)  # bit 31: a negative word
+    ids = grammar.allowed(bits, vocab).nonzero().flatten().tolist()
+    assert grammar.only(bits, vocab) == (ids[0] if len(ids) == 1 and len(set(tokens)) == 1 else None)
+
+
 def test_forced_tokens_are_the_fixed_keys(one_layer):
     m = one_layer.matcher(SamplingParams(json_schema=SCHEMA))
     m.advance(one_layer.tokenizer("{", add_special_tokens=False)["input_ids"])

@@ -187,10 +187,10 @@ class Matcher:
         whatever its logits. The state is unchanged afterwards."""
         tokens: list[int] = []
         while len(tokens) < most:
-            ids = allowed(self.mask(), self.vocab).nonzero()
-            if len(ids) != 1:
+            token = only(self.mask(), self.vocab)
+            if token is None:
                 break
-            tokens.append(int(ids[0, 0]))
+            tokens.append(token)
             if tokens[-1] in self.eos:  # the end: kept, never consumed
                 break
             self.advance(tokens[-1:])
@@ -210,6 +210,18 @@ def allowed(bits: torch.Tensor, vocab: int) -> torch.Tensor:
     """bits [..., W] int32 -> bool [..., vocab]: token t is allowed."""
     unpacked = (bits[..., None] >> _SHIFTS.to(bits.device)) & 1  # [..., W, 32], bit t % 32 of word t // 32
     return unpacked.flatten(-2)[..., :vocab].bool()
+
+
+def only(bits: torch.Tensor, vocab: int) -> int | None:
+    """bits [W] int32 -> the one token allowed, or None where none or several are (`allowed`'s
+    answer, read from the one non-zero word: a tenth of unpacking the vocabulary)."""
+    words = bits.nonzero()
+    if len(words) != 1:
+        return None
+    at = int(words[0, 0])
+    word = int(bits[at]) & 0xFFFFFFFF
+    token = 32 * at + word.bit_length() - 1
+    return token if word & (word - 1) == 0 and token < vocab else None
 
 
 def apply(logits: torch.Tensor, bits: torch.Tensor | None) -> torch.Tensor:
