@@ -116,6 +116,9 @@ def test_a_longest_gap_bounds_every_chunk_idle_rows_or_not():
     assert adm.gap_s == 0.4 and adm.chunk(running=1, idle=7) == 150  # (0.4 - 0.2 - 0.05) / 0.001
     adm.gap_steps = 4.0  # four steps are more than 0.5 s: the bound in seconds holds
     assert adm.gap_s == 0.5 and adm.chunk(running=1, idle=7) == 250
+    adm.max_gap_s = None  # the bound in steps alone (--max-itl-ms 0 --max-itl-steps 4)
+    assert adm.gap_s == 0.8 and adm.chunk(running=1, idle=7) == 550
+    assert Admission(ctx=None, gap_steps=4.0).gap_s is None  # no step measured yet: no bound in seconds
 
 
 def _burst(pair, max_gap_s, fitted_b=0.001, forwards=None, gap_steps=None):

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from helpers import run_script
 from safetensors.torch import load_file
 
 from batchspec.models.draft import load_default_draft
 from batchspec.models.pair import load_pair
+
+pytestmark = pytest.mark.scripts  # the training tools' tests: on demand, as the measurement scripts'
 
 VOCAB = 48
 
