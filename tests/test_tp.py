@@ -1,8 +1,8 @@
 """Tensor parallelism on CPU (gloo, 2 ranks): the tiny pair's target (4 heads, 2 KV heads)
 sharded with transformers' TP plan decodes the same tokens as one process, in float32, for every
 method, greedy and seeded sampling; both ranks agree even on unseeded sampling. The server on 2
-ranks answers concurrent requests as one process would, and stays in lockstep across a dropped
-stream."""
+ranks answers concurrent requests as one process would, constrained ones too, and stays in lockstep
+across a dropped stream."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from helpers import one_thread, random_prompts
+from test_grammar import SCHEMA
 from test_server import Server
 from tp_worker import RUNS, decode_all
 
@@ -77,9 +78,15 @@ def test_serve_with_tp2_answers_as_one_process(tiny64):
     try:
         prompts = random_prompts(130, 8, 2, 30)
         kinds = [{"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "seed": i} for i in range(8)]
+        # Grammars too: each rank keeps its own matcher, advanced by the same committed tokens.
+        grammars = [{}, {"json_schema": SCHEMA}, {}, {"regex": "[0-9]{3}-[a-z]{2,9}"}] * 2
+        extra = [{"structured_outputs": {"json": g["json_schema"]}} if "json_schema" in g else {} for g in grammars]
+        extra = [{"structured_outputs": g} if "regex" in g else e for g, e in zip(grammars, extra)]
 
         def ask(i: int) -> list[int]:
-            out = srv.client.completions.create(model="tiny", prompt=prompts[i], max_tokens=20, **kinds[i])
+            out = srv.client.completions.create(
+                model="tiny", prompt=prompts[i], max_tokens=20, extra_body=extra[i], **kinds[i]
+            )
             return out.model_extra["batchspec"]["token_ids"]
 
         with ThreadPoolExecutor(4) as pool:
@@ -95,7 +102,7 @@ def test_serve_with_tp2_answers_as_one_process(tiny64):
         with one_thread():
             for i, params in enumerate(kinds):
                 alone = SpecDecoder(tiny64, method="ragged", k=3).generate(
-                    [prompts[i]], SamplingParams(max_new_tokens=20, **params)
+                    [prompts[i]], SamplingParams(max_new_tokens=20, **params, **grammars[i])
                 )
                 assert answers[i] == alone[0].token_ids, f"request {i}"
     finally:

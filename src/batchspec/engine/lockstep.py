@@ -35,8 +35,11 @@ class NewRequest:
     def of(cls, seq: Sequence) -> NewRequest:
         return cls(list(seq.prompt_ids), seq.max_len, seq.eos_ids, seq.params, seq.seed)
 
-    def sequence(self) -> Sequence:
-        return Sequence(0, self.prompt_ids, self.max_len, self.eos_ids, self.seed, self.params)
+    def sequence(self, matcher_of=None) -> Sequence:
+        """The request's Sequence on a follower; `matcher_of(params)` gives a constrained
+        request's grammar state (each rank keeps its own, advanced by the same committed tokens)."""
+        matcher = None if self.params.constraint is None else matcher_of(self.params)
+        return Sequence(0, self.prompt_ids, self.max_len, self.eos_ids, self.seed, self.params, matcher=matcher)
 
 
 class LockstepEngine(OnlineEngine):
@@ -51,6 +54,8 @@ class LockstepEngine(OnlineEngine):
         self.by_number: dict[int, Request] = {}
         self.taken = 0
         self.agreed_stop = False
+        #: params -> a constrained request's grammar state on this rank (the server sets it: ModelPair.matcher)
+        self.matcher_of = None
 
     def cancel(self, request: Request) -> None:
         self.cancels.put(request)
@@ -74,7 +79,7 @@ class LockstepEngine(OnlineEngine):
         new = self._drain(block) if leader else []
         payloads, cancelled, stop = tp.agree(self._news(new) if leader else None)
         if not leader:
-            new = [Request(p.sequence(), lambda chunk: None) for p in payloads]
+            new = [Request(p.sequence(self.matcher_of), lambda chunk: None) for p in payloads]
         for request in new:
             self.numbers[id(request)], self.by_number[self.taken] = self.taken, request
             self.taken += 1

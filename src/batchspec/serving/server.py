@@ -124,13 +124,11 @@ class Service:
         return Sequence.request(index, ids, params, self.context, self.pair.eos_ids, self.matcher(job, params))
 
     def matcher(self, job: api.Job, params: SamplingParams):
-        """The request's grammar state (None when free); a grammar the engine cannot compile, or
-        one under tensor parallelism (its ranks would need one each), is a 400."""
+        """The request's grammar state (None when free); a grammar the engine cannot compile is a
+        400 (under --tp each follower compiles its own: lockstep.NewRequest)."""
         if params.constraint is None:
             return None
         where = job.constraint_field
-        if tp.active():
-            raise api.BadRequest("structured output is not served under --tp", where)
         try:
             return self.pair.matcher(params)
         except BatchspecError as err:
@@ -464,6 +462,8 @@ def _build_service(config: ServeConfig, worker: EngineThread) -> Service:
         config.max_itl_ms / 1000 or None,
         config.max_itl_steps or None,
     )
+    if tp.active():
+        engine.matcher_of = pair.matcher
     service = Service(engine, pair, config.served_model_name or pair.name, lock)
     service.policy = config.access
     service.startup = pair.startup | report
