@@ -238,18 +238,14 @@ def chain_masks(seqs: list, chains: list[list[int]]) -> torch.Tensor | None:
     for the batch (its own threads; each matcher walks its chain and rolls it back). All-allowed
     for free rows, and from the first draft the grammar refuses or an EOS on (as `Matcher.along`);
     None when no row has a grammar."""
-    matchers = [seq.matcher for seq in seqs]
-    first = next((m for m in matchers if m is not None), None)
-    if first is None:
-        return None
     n = 1 + max(map(len, chains))
-    out = torch.full((len(seqs), n, first.words), -1, dtype=torch.int32)
-    walks = [(m._m, b * n, m.walkable(chain)) for b, (m, chain) in enumerate(zip(matchers, chains)) if m is not None]
-    args = (
-        out.data_ptr(),
-        4 * first.words,
-        len(seqs) * n,
-    )  # row b's masks: slots b * n .. b * n + len(walk) < (b + 1) n
+    out = _all_allowed(seqs, n)
+    if out is None:
+        return None
+    rows = [(b, seq.matcher, chain) for b, (seq, chain) in enumerate(zip(seqs, chains)) if seq.matcher is not None]
+    walks = [(m._m, b * n, m.walkable(chain)) for b, m, chain in rows]
+    # Row b's masks fill slots b * n .. b * n + len(walk) < (b + 1) n.
+    args = (out.data_ptr(), 4 * out.shape[-1], len(seqs) * n)
     if any(walk for _, _, walk in walks):  # llguidance's call with drafts wants some for every row
         _executor().unsafe_compute_mask_ptr_with_draft_token([job for job in walks if job[2]], *args)
     if not all(walk for _, _, walk in walks):
@@ -277,16 +273,19 @@ def _raise_errors(matchers) -> None:
 def row_masks(seqs: list, paths: list[list[list[int]]]) -> torch.Tensor | None:
     """Each row's masks after `paths[b]` (see Matcher.along) -> [B, n, W] int32, all-allowed for a
     free row; None when no row has a grammar."""
-    matchers = [seq.matcher for seq in seqs]
-    first = next((m for m in matchers if m is not None), None)
-    if first is None:
+    out = _all_allowed(seqs, max(len(p) for p in paths))
+    if out is None:
         return None
-    n = max(len(p) for p in paths)
-    out = torch.full((len(seqs), n, first.words), -1, dtype=torch.int32)
-    for b, (matcher, rows) in enumerate(zip(matchers, paths)):
-        if matcher is not None:
-            out[b, : len(rows)] = matcher.along(rows)
+    for b, (seq, rows) in enumerate(zip(seqs, paths)):
+        if seq.matcher is not None:
+            out[b, : len(rows)] = seq.matcher.along(rows)
     return out
+
+
+def _all_allowed(seqs: list, n: int) -> torch.Tensor | None:
+    """[B, n, W] int32 of all-allowed masks, W the rows' grammars' words; None when no row has one."""
+    first = next((seq.matcher for seq in seqs if seq.matcher is not None), None)
+    return None if first is None else torch.full((len(seqs), n, first.words), -1, dtype=torch.int32)
 
 
 def constrained(seqs: list) -> bool:

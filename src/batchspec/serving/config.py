@@ -22,8 +22,8 @@ DEFAULT_KV_PER_ROW = 2048
 #: steps under this (engine/admission.py; docs/serving.md, "Admission").
 DEFAULT_MAX_ITL_MS = 500.0
 #: --max-itl-steps by default: no bound in decode steps. At 2.5 steps the longest gaps at 2 clients
-#: fell (392 and 311 ms against 548 and 579) but prefill spread over more, smaller forwards: 0.58x the
-#: throughput at 8 and 16 synthetic clients (docs/serving.md, "Admission").
+#: fell (392 and 311 ms against 548 and 579) but prefill spread over more, smaller forwards: 0.65x and
+#: 0.56x the throughput at 8 and 16 synthetic clients, one round (docs/serving.md, "Admission").
 DEFAULT_MAX_ITL_STEPS = 0.0
 
 
