@@ -29,7 +29,9 @@ class Store:
             parts = [self.slices[s.index][role] for s in seqs]
             counts = [kv.count(p) for p in parts]
             lag = max(len(s) - n for s, n in zip(seqs, counts))
-            caches[role] = kv.stack(model.config, parts, [len(s) - lag for s in seqs])
+            # A row shorter than the lag contributes nothing: its pending tokens are left-padded
+            # (a negative take would slice `[:n]` from the end and keep entries).
+            caches[role] = kv.stack(model.config, parts, [max(len(s) - lag, 0) for s in seqs])
         return PaddedBatch(seqs, caches, self.ctx.pad_id, self.ctx.device)
 
     def park(self, batch: PaddedBatch | None) -> None:
