@@ -137,6 +137,29 @@ def test_a_self_draft_is_compiled_with_its_quantized_products_traced(quant):
             pair.draft.get_decoder().batchspec_compiled.eager(input_ids=ids).last_hidden_state
         )  # the dequantized product
         logits = pair.draft.lm_head(eager)
-    assert draft.calls == calls + 1 and len(draft.graphs) == 1
+    assert draft.calls == calls + 1 and {form for form, _ in draft.graphs} == {None}  # one product form
     # bfloat16: the kernel's sums beside the dense product's, the same weights
     assert (many - logits).abs().max() < 0.1 * logits.abs().max()
+
+
+def test_a_compiled_graph_is_kept_on_disk_and_a_later_start_loads_it(tmp_path, monkeypatch):
+    """The first load compiles each graph ahead and saves it (precompiled.py); a later load of the
+    same model reads them without tracing and decodes the reference's tokens; a saved graph that
+    does not load is compiled again, with a warning."""
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path))
+    first = load_pair("tiny", dtype="float32", compile=True)
+    graphs = compiled.compiled(first.target).graphs
+    assert len(graphs) == 2 and not any(g.loaded for g in graphs.values())  # one token; two and more
+    saved = sorted((tmp_path / "graphs").glob("*.bin"))
+    assert len(saved) == 2
+    again = load_pair("tiny", dtype="float32", compile=True)
+    assert all(g.loaded for g in compiled.compiled(again.target).graphs.values())
+    prompts = random_prompts(21, 5, 1, 30)
+    assert decode(again, prompts, 12, method="ragged", batch_size=3, k=2) == reference_tokens(again, prompts, 12)
+    for path in saved:  # the key line kept, the graph garbled
+        head = path.read_bytes().split(b"\n", 1)[0]
+        path.write_bytes(head + b"\nnot a graph")
+    with pytest.warns(UserWarning, match="saved compiled graph that does not load"):
+        third = load_pair("tiny", dtype="float32", compile=True)
+    assert not any(g.loaded for g in compiled.compiled(third.target).graphs.values())
+    assert decode(third, prompts, 12, method="ragged", batch_size=3, k=2) == reference_tokens(third, prompts, 12)

@@ -1,6 +1,7 @@
 """What batchspec keeps on disk between runs, so that a start does not redo the last one's work:
-measurements of the machine (`tuning`: the linear layers' formulations, the step-cost probes) and
-GGUF files converted once to a safetensors directory (`models`).
+measurements of the machine (`tuning`: the linear layers' formulations, the step-cost probes),
+GGUF files converted once to a safetensors directory (`models`), and compiled graphs (`graphs`,
+models/precompiled.py).
 
 Where: `$BATCHSPEC_CACHE` (the CLI's `--tuning-cache DIR` sets it, for the processes it starts
 too), else `$XDG_CACHE_HOME/batchspec`, else `~/.cache/batchspec`; `BATCHSPEC_CACHE=off`
@@ -128,9 +129,9 @@ def _cpu_flags() -> list[str]:
     return sorted(_cpuinfo().get("flags", "").split())
 
 
-def _record_path(kind: str, key: dict) -> Path | None:
+def _record_path(kind: str, key: dict, suffix: str = ".json") -> Path | None:
     base = root()
-    return None if base is None else base / kind / f"{digest(key)[:32]}.json"
+    return None if base is None else base / kind / f"{digest(key)[:32]}{suffix}"
 
 
 def read(kind: str, key: dict):
@@ -163,6 +164,44 @@ def write(kind: str, key: dict, value) -> None:
             os.fchmod(fd, 0o644)  # mkstemp's file is private: let another user (a container's) read it
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            _remove(tmp)
+            raise
+    except OSError as err:
+        _cannot_write(err)
+
+
+def read_bytes(kind: str, key: dict) -> bytes | None:
+    """The bytes stored under `key` by `write_bytes`, or None (no cache, no record, a foreign or
+    corrupt one). The record's first line is its key, compared on read as `read` compares it."""
+    path = _record_path(kind, key, ".bin")
+    if path is None or not path.exists():
+        return None
+    try:
+        with open(path, "rb") as f:
+            head = json.loads(f.readline())
+            if head.get("format") != FORMAT or head.get("key") != json.loads(json.dumps(key, default=str)):
+                return None
+            return f.read()
+    except (OSError, ValueError, AttributeError) as err:
+        warn_once(f"ignoring the unreadable cache file {path} ({type(err).__name__}); it will be made again")
+        return None
+
+
+def write_bytes(kind: str, key: dict, data: bytes) -> None:
+    """Store `data` under `key` atomically (a warning, not an error, where it cannot be written)."""
+    path = _record_path(kind, key, ".bin")
+    if path is None:
+        return
+    head = json.dumps({"format": FORMAT, "key": key}, default=str).encode() + b"\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".bin")
+        try:
+            os.fchmod(fd, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(head + data)
             os.replace(tmp, path)
         except BaseException:
             _remove(tmp)

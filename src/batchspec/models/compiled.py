@@ -16,9 +16,10 @@ sin) -> hidden states, in which everything but two kinds of operation is fused C
 
 The graph sees the batch flattened to one row of N tokens ([1, N, W]): the dense math is per
 token, and only `attend` needs the rows, which it reads from the forward. So one graph serves
-every batch size and query width (N symbolic; torch.compile specializes N = 1 apart, so two
-graphs). inductor's compiled code is kept on disk by its own cache, in the tuning cache's folder
-(`cache_dir`).
+every batch size and query width (N symbolic; N = 1 is a graph apart, so two graphs). Each graph
+is compiled ahead of its first call and kept whole in the tuning cache (precompiled.py), so a later
+start loads it without tracing; inductor's own cache (`cache_dir`) keeps the code of graphs compiled
+lazily (the frozen-weights form, other backends, a saved graph that does not load).
 
 The engine never learns a compiler ran: `install` replaces the decoder's `forward`, with its
 signature and result. A forward the graph does not serve runs the eager lean layers (the same
@@ -42,7 +43,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..cache import kv
-from . import lean, linears
+from . import lean, linears, precompiled
 from .invariant import NAME as INVARIANT  # the batch-invariant mode's attention, which runs eager
 from .quant import QuantLinear
 
@@ -53,21 +54,23 @@ MAX_ROWS = 128
 #: Graphs of LeanStack.forward a process may compile (torch's default, 8, is two or three pairs).
 RECOMPILE_LIMIT = 64
 
-#: slot -> a linear layer (weakly held), read by `product`; the current forward's cache, mask and
-#: rows, read by `attend` (set around the graph call; a forward never re-enters itself).
+#: slot -> a linear layer (weakly held), read by `product`; the current forward's cache, mask,
+#: rows and first slot, read by `attend` and `product` (set around the graph call; a forward never
+#: re-enters itself). A graph holds its products' slots relative to its decoder's first, so a
+#: graph kept on disk (precompiled.py) serves any process's copy of the model.
 _PRODUCTS: dict[int, weakref.ref] = {}
 _CURRENT: dict = {}
 
 
 @torch.library.custom_op("batchspec::product", mutates_args=())
 def product(x: torch.Tensor, slot: int) -> torch.Tensor:
-    """x [.., I] -> [.., O] by the linear layer in `slot`."""
-    return _PRODUCTS[slot]()(x)
+    """x [.., I] -> [.., O] by the linear layer in `slot` (past the current decoder's first)."""
+    return _PRODUCTS[_CURRENT["base"] + slot]()(x)
 
 
 @product.register_fake
 def _(x, slot):
-    return x.new_empty(*x.shape[:-1], _PRODUCTS[slot]().out_features)
+    return x.new_empty(*x.shape[:-1], _PRODUCTS[_CURRENT["base"] + slot]().out_features)
 
 
 @torch.library.custom_op("batchspec::attend", mutates_args=())
@@ -101,19 +104,18 @@ class LeanStack(torch.nn.Module):
     `form`: how the products are computed: None, each by its layer (`batchspec::product`); or the
     name of a traceable formulation (linears.py) for all of them, which the graph then contains."""
 
-    def __init__(self, decoder: torch.nn.Module, slots: dict[int, int], form: str | None = None):
+    def __init__(self, decoder: torch.nn.Module, form: str | None = None):
         super().__init__()
         self.embed = decoder.embed_tokens
         self.layers = decoder.layers  # lean.LeanLayer each
         self.norm = decoder.norm  # transformers' own final norm, as the eager decoder computes it
-        self.slots = slots  # id(linear layer) -> its product slot
         self.form = form
 
     def product(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
         if isinstance(layer, QuantLinear):  # PyTorch's own weight-only kernels: traced, no call
             return layer(x)
         if self.form is None:
-            return product(x, self.slots[id(layer)])
+            return product(x, layer.batchspec_slot)  # a constant of the graph, the same in every process
         flat = x.reshape(-1, x.shape[-1])
         return linears.FUNCTIONS[self.form](flat, layer.weight, layer.bias).view(*x.shape[:-1], -1)
 
@@ -132,17 +134,16 @@ class CompiledDecoder:
 
     def __init__(self, decoder: torch.nn.Module, eager, backend: str = "inductor", freeze: bool = False):
         self.decoder, self.eager, self.backend, self.freeze = decoder, eager, backend, freeze
-        slots = {}
+        self.base, count = len(_PRODUCTS), 0
         for layer in decoder.layers:
             for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
                 if isinstance(linear, QuantLinear):  # traced into the graph (LeanStack.product): no slot
                     continue
-                slot = len(_PRODUCTS)
-                _PRODUCTS[slot], slots[id(linear)] = weakref.ref(linear), slot
-        self.slots = slots
-        self.stack = LeanStack(decoder, slots)
+                _PRODUCTS[self.base + count], linear.batchspec_slot = weakref.ref(linear), count
+                count += 1
+        self.stack = LeanStack(decoder)
         self.modules = [layer.attn[0] for layer in decoder.layers]
-        self.graphs: dict[str | None, object] = {}  # product form -> its compiled stack
+        self.graphs: dict[tuple, object] = {}  # (product form, one token) -> its compiled stack
         self.calls = 0  # forwards a graph served
 
     def graph(self, tokens: int):
@@ -156,13 +157,17 @@ class CompiledDecoder:
         elif tokens == 1 and table is not None and table.fixed is None:
             name = table.form_name(1)
             form = name if name in linears.FUNCTIONS else None
-        if form not in self.graphs:
-            stack = LeanStack(self.decoder, self.slots, form)
+        one = tokens == 1
+        if (form, one) not in self.graphs:
+            stack = LeanStack(self.decoder, form)
             options = {"freezing": True} if self.freeze else None
-            self.graphs[form] = torch.compile(
-                stack, backend=self.backend, dynamic=True, fullgraph=True, options=options
-            )
-        return self.graphs[form]
+
+            def lazy(stack=stack, options=options):
+                return torch.compile(stack, backend=self.backend, dynamic=True, fullgraph=True, options=options)
+
+            kept = self.backend == "inductor" and not self.freeze  # frozen weights are constants: not kept
+            self.graphs[form, one] = precompiled.Graph(stack, one, self.backend, lazy) if kept else lazy()
+        return self.graphs[form, one]
 
     def serves(self, ids, inputs_embeds, kwargs) -> bool:
         return (
@@ -210,7 +215,7 @@ class CompiledDecoder:
         )
         cos, sin = self.decoder.rotary_emb(shape, position_ids.expand(b, q))
         flat = lambda t: t.reshape(1, b * q, *t.shape[2:])  # noqa: E731
-        with _current(cache, attention_mask, self.modules, (b, q)):
+        with _current(cache, attention_mask, self.modules, (b, q), self.base):
             hidden, *outputs = self.graph(b * q)(flat(input_ids), flat(cos), flat(sin))
         self.calls += 1
         out = BaseModelOutputWithPast(last_hidden_state=hidden.view(b, q, -1), past_key_values=cache)
@@ -219,8 +224,8 @@ class CompiledDecoder:
 
 
 @contextlib.contextmanager
-def _current(cache, mask, modules, rows):
-    _CURRENT.update(cache=cache, mask=mask, modules=modules, rows=rows)
+def _current(cache, mask, modules, rows, base):
+    _CURRENT.update(cache=cache, mask=mask, modules=modules, rows=rows, base=base)
     try:
         yield
     finally:
