@@ -143,7 +143,7 @@ class CompiledDecoder:
                 count += 1
         self.stack = LeanStack(decoder)
         self.modules = [layer.attn[0] for layer in decoder.layers]
-        self.graphs: dict[tuple, object] = {}  # (product form, one token) -> its compiled stack
+        self.graphs: dict[tuple, object] = {}  # (product form, one token, inference mode) -> its compiled stack
         self.calls = 0  # forwards a graph served
 
     def graph(self, tokens: int):
@@ -157,8 +157,8 @@ class CompiledDecoder:
         elif tokens == 1 and table is not None and table.fixed is None:
             name = table.form_name(1)
             form = name if name in linears.FUNCTIONS else None
-        one = tokens == 1
-        if (form, one) not in self.graphs:
+        one, mode = tokens == 1, torch.is_inference_mode_enabled()  # a graph's guards hold its inputs' mode
+        if (form, one, mode) not in self.graphs:
             stack = LeanStack(self.decoder, form)
             options = {"freezing": True} if self.freeze else None
 
@@ -166,8 +166,8 @@ class CompiledDecoder:
                 return torch.compile(stack, backend=self.backend, dynamic=True, fullgraph=True, options=options)
 
             kept = self.backend == "inductor" and not self.freeze  # frozen weights are constants: not kept
-            self.graphs[form, one] = precompiled.Graph(stack, one, self.backend, lazy) if kept else lazy()
-        return self.graphs[form, one]
+            self.graphs[form, one, mode] = precompiled.Graph(stack, one, self.backend, lazy) if kept else lazy()
+        return self.graphs[form, one, mode]
 
     def serves(self, ids, inputs_embeds, kwargs) -> bool:
         return (
@@ -215,8 +215,11 @@ class CompiledDecoder:
         )
         cos, sin = self.decoder.rotary_emb(shape, position_ids.expand(b, q))
         flat = lambda t: t.reshape(1, b * q, *t.shape[2:])  # noqa: E731
+        args = [flat(input_ids), flat(cos), flat(sin)]
+        if torch.is_inference_mode_enabled():  # ids made outside it: a graph's guards want inference tensors
+            args = [t if t.is_inference() else t.clone() for t in args]
         with _current(cache, attention_mask, self.modules, (b, q), self.base):
-            hidden, *outputs = self.graph(b * q)(flat(input_ids), flat(cos), flat(sin))
+            hidden, *outputs = self.graph(b * q)(*args)
         self.calls += 1
         out = BaseModelOutputWithPast(last_hidden_state=hidden.view(b, q, -1), past_key_values=cache)
         out.layer_outputs = [h.view(b, q, -1) for h in outputs]
