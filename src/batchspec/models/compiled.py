@@ -215,9 +215,14 @@ class CompiledDecoder:
         )
         cos, sin = self.decoder.rotary_emb(shape, position_ids.expand(b, q))
         flat = lambda t: t.reshape(1, b * q, *t.shape[2:])  # noqa: E731
-        args = [flat(input_ids), flat(cos), flat(sin)]
-        if torch.is_inference_mode_enabled():  # ids made outside it: a graph's guards want inference tensors
-            args = [t if t.is_inference() else t.clone() for t in args]
+        # A saved graph's guards hold its inputs' strides and dispatch keys: contiguous ones, made in
+        # inference mode where it runs (a refused call is traced again: seconds).
+        inference = torch.is_inference_mode_enabled()
+        args = [flat(t) for t in (input_ids, cos, sin)]
+        args = [
+            t.contiguous() if t.is_inference() or not inference else t.clone(memory_format=torch.contiguous_format)
+            for t in args
+        ]
         with _current(cache, attention_mask, self.modules, (b, q), self.base):
             hidden, *outputs = self.graph(b * q)(*args)
         self.calls += 1
