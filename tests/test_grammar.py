@@ -20,6 +20,8 @@ from test_speculation import RandomK
 
 from batchspec import BatchspecError, SamplingParams, SpecDecoder, tiny_pair
 from batchspec.core import grammar
+from batchspec.engine.verify import _tree_paths
+from batchspec.proposers.draft import DraftProposer
 
 SCHEMA = {
     "type": "object",
@@ -88,6 +90,36 @@ def test_draft_trees_equal_the_masked_reference(one_layer, seed, proposer, sampl
     want, _ = _tokens(one_layer, prompts, params, method="reference", check=False)
     got, _ = _tokens(one_layer, prompts, params, method="ragged", batch_size=3, k=3, proposer=proposer, branches=(3, 2))
     assert got == want
+
+
+@pytest.mark.parametrize("proposer", ["draft", "eagle"])
+def test_a_draft_trees_nodes_follow_their_rows_grammar(one_layer, monkeypatch, proposer):
+    """A constrained row's draft tree holds, at each depth, the tokens its grammar allows after
+    each node's ancestry before any it refuses: the drafter's logits at every fed node are masked
+    (grammar.TreeGuide), so a refused token is drafted only where fewer tokens are allowed than
+    the depth has nodes (its score is -inf, last). Unmasked, refused tokens come first at random."""
+    seen = []
+    drafted = DraftProposer._propose_tree
+
+    def spy(self, batch, *args, **kw):
+        proposal = drafted(self, batch, *args, **kw)
+        depths = proposal.tree.depth().tolist()
+        for seq, nodes, parent in zip(batch.seqs, proposal.nodes.tolist(), proposal.tree.parent.tolist()):
+            m, flags = seq.matcher, {}
+            for depth, path in zip(depths, _tree_paths(nodes, parent)[1:] if m is not None else ()):
+                if m.valid(path[:-1]) == len(path) - 1 and not m.eos.intersection(path[:-1]):
+                    flags.setdefault(depth, []).append(m.valid(path) == len(path))
+            seen.extend(flags.values())
+        return proposal
+
+    monkeypatch.setattr(DraftProposer, "_propose_tree", spy)
+    prompts = random_prompts(5, 4, 1, 30)
+    params = [SamplingParams(max_new_tokens=16, **c) for c in (CONSTRAINTS[1], CONSTRAINTS[3], CONSTRAINTS[4], {})]
+    want, _ = _tokens(one_layer, prompts, params, method="reference", check=False)
+    got, _ = _tokens(one_layer, prompts, params, method="ragged", batch_size=4, k=3, proposer=proposer, branches=(3, 2))
+    assert got == want
+    assert sum(map(sum, seen)) > 50  # allowed nodes drafted
+    assert all(flags == sorted(flags, reverse=True) for flags in seen)
 
 
 @given(seed=st.integers(0, 10**6), method=st.sampled_from(METHODS), proposer=st.sampled_from(PROPOSERS))

@@ -292,6 +292,18 @@ def constrained(seqs: list) -> bool:
     return any(seq.matcher is not None for seq in seqs)
 
 
+def masked(logits: torch.Tensor, bits: torch.Tensor, vocab: int, head_ids: torch.Tensor | None = None):
+    """logits [..., V_head], bits [..., W] over a vocabulary of `vocab` ids (head_ids [V_head]: each
+    column's full id; None: the full vocabulary) -> (logits with -inf at the tokens the bits refuse,
+    empty [...]: where the head has none of the allowed tokens, left unmasked: verification cuts
+    whatever is drafted there)."""
+    ok = allowed(bits, vocab).to(logits.device)
+    if head_ids is not None:
+        ok = ok[..., head_ids.to(logits.device)]
+    empty = ~ok.any(dim=-1)
+    return logits.masked_fill(~ok & ~empty[..., None], float("-inf")), empty
+
+
 class DraftGuide:
     """Masks a drafter's chain by the grammar: each constrained row's matcher advanced along that
     row's own drafts as they are picked, and rolled back by `close` (so the drafter's picks are
@@ -312,13 +324,10 @@ class DraftGuide:
         jobs = [(m._m, b) for b, (m, alive) in enumerate(zip(self.matchers, self.alive)) if alive]
         _executor().unsafe_compute_mask_ptr(jobs, bits.data_ptr(), 4 * words, len(self.matchers))
         _raise_errors(m for m, _ in jobs)
-        ok = allowed(bits, self.matchers[self.alive.index(True)].vocab).to(logits.device)
-        if head_ids is not None:
-            ok = ok[:, head_ids.to(logits.device)]
-        empty = ~ok.any(dim=-1)
+        out, empty = masked(logits, bits, self.matchers[self.alive.index(True)].vocab, head_ids)
         for b in empty.nonzero().flatten().tolist():
             self.alive[b] = False
-        return logits.masked_fill(~ok & ~empty[:, None], float("-inf"))
+        return out
 
     def advance(self, tokens: torch.Tensor) -> None:
         """tokens [B]: the drafts just picked (full ids)."""
@@ -335,3 +344,27 @@ class DraftGuide:
             if m is not None:
                 m.rollback(depth)
         self.depth = [0] * len(self.matchers)
+
+
+class TreeGuide:
+    """Masks a drafter's tree by the grammar: each fed node's logits by the mask after its own
+    ancestry (`row_masks`: the matchers walk each path and roll it back, so the state is unchanged).
+    A node whose path the grammar refuses (or ends at an EOS) drafts unmasked, as does one whose
+    allowed tokens the drafter's vocabulary lacks: verification cuts what is drafted there."""
+
+    def __init__(self, seqs: list):
+        self.seqs = seqs
+        self.vocab = next(seq.matcher.vocab for seq in seqs if seq.matcher is not None)
+        self.paths: list[list[list[int]]] = [[[]] for _ in seqs]  # each row's fed nodes' paths: the root's
+
+    def mask(self, logits: torch.Tensor, head_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [B, m, V_head] of the m nodes fed last (their paths `paths`) -> masked."""
+        return masked(logits, row_masks(self.seqs, self.paths), self.vocab, head_ids)[0]
+
+    def grow(self, parent: torch.Tensor, tokens: torch.Tensor) -> None:
+        """parent [B, c] (each new node's parent among the nodes fed last), tokens [B, c] (full ids):
+        the next depth's nodes, fed next."""
+        self.paths = [
+            [paths[p] + [t] for p, t in zip(up, row)]
+            for paths, up, row in zip(self.paths, parent.tolist(), tokens.tolist())
+        ]

@@ -1,8 +1,9 @@
 """`DraftProposer`: a small causal LM with its own KV cache (role "draft" of the batch layout),
 optionally with a reduced-vocabulary head (`vocab_ids` maps head index -> full-vocabulary id; a
 `GrowingHead` learns its ids from every token the draft is fed), and drafting a tree (core/tree.py)
-when `branches` has more than one node at some depth. A chain's drafts follow each constrained
-row's grammar (grammar.DraftGuide); a tree's are not masked (verification masks every node)."""
+when `branches` has more than one node at some depth. Drafts follow each constrained row's
+grammar: a chain's by the matcher advanced along it (grammar.DraftGuide), a tree's nodes by the
+mask after each one's ancestry (grammar.TreeGuide); verification masks every column again."""
 
 from __future__ import annotations
 
@@ -97,10 +98,15 @@ class DraftProposer(Proposer):
         last = torch.tensor([len(s) - 1 for s in batch.seqs], device=logits.device)  # the roots' positions
         cum = torch.zeros(b, 1, device=logits.device)
         nodes, parents, beams, bins = [], [], [], []
+        guide = grammar.TreeGuide(batch.seqs) if grammar.constrained(batch.seqs) else None
         for d in range(k):  # nodes of depth d + 1 from the logits of depth d's (the root's at d = 0)
             force = None if forced is None else (forced[0][:, d], forced[1] > d)
             c, depth_noise = widths[d], None if noise is None else noise[:, d]
+            if guide is not None:
+                logits = guide.mask(logits, self.vocab_ids)
             cum, beam, tokens, best = self._expand(cum, logits, params, depth_noise, force, c)
+            if guide is not None:
+                guide.grow(beam, tokens)
             nodes.append(tokens)
             parents.append(beam - 1 if d == 0 else beam + sum(widths[: d - 1]))  # -1: the root
             beams.append(beam)
