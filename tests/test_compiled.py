@@ -5,6 +5,7 @@ not serve (many tokens, the batch-invariant mode, layers it cannot compute) run 
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 
 import pytest
@@ -16,7 +17,7 @@ from transformers import DynamicCache
 
 from batchspec import SamplingParams, SpecDecoder, load_pair
 from batchspec.cli import main
-from batchspec.models import compiled, lean
+from batchspec.models import compiled, lean, precompiled
 from batchspec.models.forward import decoder_features
 
 
@@ -167,3 +168,21 @@ def test_a_compiled_graph_is_kept_on_disk_and_a_later_start_loads_it(tmp_path, m
         third = load_pair("tiny", dtype="float32", compile=True)
     assert not any(g.loaded for g in compiled.compiled(third.target).graphs.values())
     assert decode(third, prompts, 12, method="ragged", batch_size=3, k=2) == reference_tokens(third, prompts, 12)
+
+
+def test_the_cpus_vector_isas_are_checked_once_per_machine(tmp_path, monkeypatch):
+    """inductor's check of the vector ISAs (a library loaded in a child process per ISA) runs on a
+    first start; a later one trusts the verdict kept in the tuning cache, where every ISA passed."""
+    from torch._inductor import config
+
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    precompiled.trust_vector_isas()
+    assert config.cpp.vec_isa_ok is None  # checked, not trusted
+    (record,) = (tmp_path / "tuning").glob("*.json")
+    verdict = json.loads(record.read_text())["value"]
+    precompiled.trust_vector_isas()
+    assert config.cpp.vec_isa_ok is (True if verdict else None)
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", False)  # the user's choice stands
+    precompiled.trust_vector_isas()
+    assert config.cpp.vec_isa_ok is False

@@ -20,7 +20,7 @@ from ..cache import kv
 from ..core import diskcache, grammar
 from ..core.errors import BatchspecError
 from ..distributed import tp
-from . import attention, compiled, lean, quant, sharding, support, vocab
+from . import attention, compiled, lean, precompiled, quant, sharding, support, vocab
 from .linears import tune_linears
 from .tiny import byte_tokenizer, tiny_config, tiny_head, tiny_models, tiny_sliding_config
 
@@ -259,6 +259,8 @@ def _load_pair(
             tune_linears(model)
     if why is None:
         compiled.cache_dir(diskcache.root())
+        if diskcache.root() is not None:
+            precompiled.trust_vector_isas()
         result.startup = {"forward": "compiled", "compile_s": round(_compile(result), 3)}
     else:
         if compile:  # asked for and refused: say why, once

@@ -97,3 +97,32 @@ class Graph:
             diskcache.warn_once(f"compiling ahead of time failed ({type(err).__name__}: {err}); compiling lazily")
             return self.lazy()
         return lambda *a: compiled(self.stack, *a)
+
+
+def trust_vector_isas() -> None:
+    """inductor checks each vector ISA the CPU's flags claim by building a library with it and
+    loading that in a child process, once a process (ten children, about 1.3 s of a start on 2
+    cores). Where an earlier start on this machine, with this C++ compiler, found every claimed ISA
+    good (its verdict kept in the tuning cache), they are trusted without the check; else the check
+    runs and its verdict is kept. A setting of the user's (`TORCHINDUCTOR_VEC_ISA_OK`) is left alone."""
+    from torch._inductor import config, cpp_builder, cpu_vec_isa
+
+    if config.cpp.vec_isa_ok is not None:
+        return
+    compiler = cpp_builder.get_cpp_compiler()
+    found = {
+        "machine": diskcache.machine(),
+        "compiler": compiler,
+        "version": cpp_builder.get_compiler_version_info(compiler),
+        "what": "inductor's vector ISAs all load",
+    }
+    if diskcache.read("tuning", found) is True:
+        config.cpp.vec_isa_ok = True
+        return
+    valid = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # the check, cached for the process
+    config.cpp.vec_isa_ok = True
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    claimed = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # what the flags claim
+    config.cpp.vec_isa_ok = None
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    diskcache.write("tuning", found, valid == claimed)
