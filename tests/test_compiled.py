@@ -179,7 +179,7 @@ def test_the_cpus_vector_isas_are_checked_once_per_machine(tmp_path, monkeypatch
     monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
     precompiled.trust_vector_isas()
     assert config.cpp.vec_isa_ok is None  # checked, not trusted
-    (record,) = (tmp_path / "tuning").glob("*.json")
+    (record,) = (tmp_path / precompiled.ISA_KIND).glob("*.json")
     verdict = json.loads(record.read_text())["value"]
     precompiled.trust_vector_isas()
     assert config.cpp.vec_isa_ok is (True if verdict else None)

@@ -1,7 +1,7 @@
 """What batchspec keeps on disk between runs, so that a start does not redo the last one's work:
 measurements of the machine (`tuning`: the linear layers' formulations, the step-cost probes),
 GGUF files converted once to a safetensors directory (`models`), and compiled graphs (`graphs`,
-models/precompiled.py).
+models/precompiled.py; `vector-isas`: the verdict of inductor's check of the CPU's vector ISAs).
 
 Where: `$BATCHSPEC_CACHE` (the CLI's `--tuning-cache DIR` sets it, for the processes it starts
 too), else `$XDG_CACHE_HOME/batchspec`, else `~/.cache/batchspec`; `BATCHSPEC_CACHE=off`

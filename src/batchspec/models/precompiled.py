@@ -27,6 +27,7 @@ import torch
 from ..core import diskcache
 
 KIND = "graphs"
+ISA_KIND = "vector-isas"  # the verdict of inductor's check of them (trust_vector_isas)
 #: The guard failure of an artifact whose inputs differ from the ones it was compiled for.
 GUARD_FAILURE = "GuardManager check failed"
 
@@ -116,7 +117,7 @@ def trust_vector_isas() -> None:
         "version": cpp_builder.get_compiler_version_info(compiler),
         "what": "inductor's vector ISAs all load",
     }
-    if diskcache.read("tuning", found) is True:
+    if diskcache.read(ISA_KIND, found) is True:
         config.cpp.vec_isa_ok = True
         return
     valid = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # the check, cached for the process
@@ -125,4 +126,4 @@ def trust_vector_isas() -> None:
     claimed = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # what the flags claim
     config.cpp.vec_isa_ok = None
     cpu_vec_isa.valid_vec_isa_list.cache_clear()
-    diskcache.write("tuning", found, valid == claimed)
+    diskcache.write(ISA_KIND, found, valid == claimed)
