@@ -186,3 +186,25 @@ def test_the_cpus_vector_isas_are_checked_once_per_machine(tmp_path, monkeypatch
     monkeypatch.setattr(config.cpp, "vec_isa_ok", False)  # the user's choice stands
     precompiled.trust_vector_isas()
     assert config.cpp.vec_isa_ok is False
+
+
+def test_a_prompts_chunks_ride_in_the_steps_forward_and_decode_as_the_reference(compiled64):
+    """Prompts admitted in chunks while rows run: each chunk's target tokens are computed in the
+    step's own forward (admission's rider, models/forward.py), with -k auto, fixed k and a draft
+    model fed its chunks alone, and the head's features kept; a draft tree's verify does not carry
+    one (fed alone after the step). The caches (invariant checker) and the output are the reference's."""
+    prompts = random_prompts(31, 6, 40, 90)
+    lengths = [6, 14, 9, 20, 11, 16]  # rows finish apart: prompts wait while others run
+    want = [reference_tokens(compiled64, [p], n)[0] for p, n in zip(prompts, lengths)]
+    configs = (
+        {"k": "auto"},
+        {"k": 3, "proposer": "eagle"},
+        {"k": 3, "proposer": "draft"},
+        {"k": 2, "branches": 2, "proposer": "eagle"},
+    )
+    for config in configs:
+        dec = SpecDecoder(compiled64, method="ragged", batch_size=2, prefill_chunk=16, check_invariants=True, **config)
+        got = [o.token_ids for o in dec.generate(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])]
+        assert got == want, config
+        carried, chunks = dec.stats.extra["prefill_chunks_carried"], dec.stats.extra["prefill_chunks"]
+        assert chunks > 0 and carried == (0 if "branches" in config else chunks), config

@@ -37,6 +37,15 @@ out its rows' first tokens before the next begins: once a forward holds that man
 make it no cheaper per token, only later for every prompt in it (a wave of 8 prompts of 286 tokens
 waited 8 s for its first tokens, all at once, where smaller forwards hand them out one by one).
 
+A chunk of a prompt fed alone (one that stops short of its end) rides in the step's own forward
+where the target's forward can carry it (a compiled decoder: models/forward.py, `Rider`): its
+tokens are computed in the same pass as the running rows', into the prompt's own cache, so the
+chunk costs its tokens' share of a forward and not a forward of its own (the fixed part, ~45 ms
+at 135M on 2 cores). The step's time less the rider's estimated share is what the step costs
+here and for the speculation policy. A forward that does not carry it (a draft tree's verify, one
+the compiled graph does not serve) leaves it to `settle`, which feeds it alone after the step.
+Other roles (a draft model fed at admission) are fed their chunk alone as before.
+
 A policy that often drafts nothing (`-k auto`) leaves the proposer's cache empty here: the batch
 feeds it a row's tokens when a step first drafts for that row (`RaggedBatch.warm`).
 
@@ -55,6 +64,7 @@ from ..core.sequence import Sequence, Status
 from ..distributed import tp
 from ..layouts.buckets import buckets
 from ..layouts.padded import PaddedBatch
+from ..models.forward import Rider, carries
 from .step import Context, feed, prefill
 
 MIN_CHUNK = 16  # a measured chunk never drops below this (tiny chunks waste a forward each)
@@ -127,7 +137,13 @@ class Admission:
         self.step_s: float | None = None  # decode step seconds (exponential average)
         self.cost = PrefillCost()  # prefill seconds by tokens per forward
         self.progress = None  # called after each prefill forward (the online engine's heartbeat)
-        self.chunks = 0  # prefill forwards that stopped short of a prompt's end
+        self.chunks = 0  # prefill chunks that stopped short of a prompt's end
+        #: Whether a chunk's target tokens may ride in the step's forward (`rider`) instead of a
+        #: forward of their own, where the target's forward can carry them (module docstring).
+        self.carry = True
+        self.rider: Rider | None = None  # this iteration's chunk for the step to carry, until `settle`
+        self._after: list[str] = []  # the rider's chunk's other roles, fed in `settle`
+        self.carried = 0  # chunks the step's forward carried
         self.prefixes: PrefixCache | None = None  # where prompts start from, if set (Loop sets it)
         #: Prefill seconds measured this iteration since a running row last had a step (None: no
         #: row waits yet); with `max_gap_s`, what the rest of the iteration may still spend.
@@ -263,6 +279,27 @@ class Admission:
         timed = spent + (self.cost.tokens_for(left) if left > 0 and self.cost.b is not None else 0)
         return tp.agree(timed if limit is None else min(limit, timed))
 
+    def settle(self) -> None:
+        """After the step: this iteration's rider, if the step's forward did not carry it (a tree's
+        verify, a forward the compiled graph does not serve), is fed alone now; a carried one's
+        target features are kept where a draft head reads them. Then the chunk's other roles are
+        fed (after the target's, whose features a head reads)."""
+        rider, self.rider = self.rider, None
+        if rider is None:
+            return
+        part, n = self.partial, rider.ids.shape[1]
+        start = time.perf_counter()
+        with self.ctx.stats.stage("prefill"):
+            if not rider.fed:
+                feed(self.ctx, part, "target", rider.ids)
+            elif self.ctx.features is not None:
+                self.ctx.features.write(part.seqs, rider.inputs["position_ids"], rider.features)
+            for role in self._after:
+                feed(self.ctx, part, role, part.pending(role)[:, :n])
+        self.carried += rider.fed
+        if not rider.fed or self._after:
+            self._observe_prefill(n, time.perf_counter() - start)
+
     def _open(self, batch, seq: Sequence, hit=None) -> PaddedBatch:
         """A one-row padded batch for a prompt to be fed alone (in chunks, or after a cached
         prefix): its caches hold `hit`'s entries of the roles fed at admission, else nothing."""
@@ -279,12 +316,18 @@ class Admission:
         part = self.partial
         left = part.width - part.cache_width("target")
         if limit is not None and left > limit:
+            self.chunks += 1
+            roles = _roles(self.ctx, batch)
+            if self.carry and len(batch) and carries(self.ctx.target):  # the target's part rides in the step
+                ids, inputs = part.pending("target")[:, :limit], part.inputs("target", limit)
+                self.rider = Rider(ids, inputs, cost_s=limit * (self.cost.b or 0.0))
+                self._after = [role for role in roles if role != "target"]  # fed once the target's is
+                return limit, []
             start = time.perf_counter()
             with self.ctx.stats.stage("prefill"):
-                for role in _roles(self.ctx, batch):
+                for role in roles:
                     feed(self.ctx, part, role, part.pending(role)[:, :limit])
             self._observe_prefill(limit, time.perf_counter() - start)
-            self.chunks += 1
             return limit, []
         self.partial = None
         return left, self._complete(batch, part, left)

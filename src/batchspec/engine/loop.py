@@ -1,7 +1,7 @@
 """The engine iteration: retire cancelled sequences, admit waiting ones into free rows (chunked
-prefill, admission.py), step the running rows. One code path for the offline `ragged` method
-(`ragged.run` drives it to completion) and the online server (`online.OnlineEngine` drives it
-from a thread).
+prefill, admission.py), step the running rows (the step's forward may carry a prompt's chunk).
+One code path for the offline `ragged` method (`ragged.run` drives it to completion) and the
+online server (`online.OnlineEngine` drives it from a thread).
 
 The loop holds a `ragged.RaggedBatch`. It never blocks and never talks to clients: requests'
 outputs are handed out by `Context.observe` (see detok.py / online.py).
@@ -63,9 +63,12 @@ class Loop:
         done = self._drop_cancelled()
         done += self.admission.admit(self.batch)
         if len(self.batch):
+            rider = self.admission.rider  # a prompt chunk the step's forward may carry
             start = time.perf_counter()
-            done += decode_step(self.ctx, self.batch)
-            self.admission.observe_step(time.perf_counter() - start)
+            done += decode_step(self.ctx, self.batch, rider)
+            carried = rider.cost_s if rider is not None and rider.fed else 0.0
+            self.admission.observe_step(time.perf_counter() - start - carried)
+        self.admission.settle()
         return done
 
     def run(self) -> None:
@@ -77,7 +80,7 @@ class Loop:
         """Start afresh on an empty batch (after a failed step); waiting sequences stay."""
         self.batch = batch
         self.batch.prefixes = self.prefixes
-        self.admission.partial = None
+        self.admission.partial = self.admission.rider = None
 
     def _drop_cancelled(self) -> list[Sequence]:
         """Finish cancelled sequences ("abort"): waiting ones leave the queue, a prefilling one

@@ -34,6 +34,7 @@ from ..core.stats import Stats
 from ..distributed import tp
 from ..layouts.base import Layout
 from ..layouts.padded import PaddedBatch
+from ..models.forward import Rider
 from ..models.pair import ModelPair
 from ..policy.speculation import Fixed, Speculation, timed
 from ..proposers.base import Proposal, Proposer
@@ -142,10 +143,11 @@ def feed(ctx: Context, batch: Layout, role: str, ids: torch.Tensor) -> torch.Ten
     return target_forward(ctx.target, batch, ids, ctx.features, last_only=True)
 
 
-def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
+def decode_step(ctx: Context, batch: Layout, rider: Rider | None = None) -> list[Sequence]:
     """One speculative (or plain) step for every row: plan -> propose -> verify -> accept ->
     commit -> realign. The speculation policy chooses how many drafts to ask for and how many to
-    verify. Returns the finished rows."""
+    verify. `rider`: a prompt chunk the verifying forward may carry (admission.py); the policy is
+    shown the step's time less the rider's estimated share (`rider.cost_s`). Returns the finished rows."""
     stats, policy, seqs, span = ctx.stats, ctx.speculation, list(batch.seqs), batch.attended_span()
     params = RowParams.of([s.params for s in seqs], ctx.device)
     k, started = _plan(ctx, batch)
@@ -159,7 +161,7 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
             noise = row_noise(seqs, drafts.shape[1] + 1, ctx.target.config.vocab_size, ctx.device)
     step_start = timed(ctx.device)
     with stats.stage("verify"):
-        verified = verify(ctx.target, batch, drafts, proposal, ctx.features)
+        verified = verify(ctx.target, batch, drafts, proposal, ctx.features, rider)
     with stats.stage("accept"):
         choice = _pick(
             grammar.apply(verified.logits, masks(seqs, verified, limit)),
@@ -178,7 +180,8 @@ def decode_step(ctx: Context, batch: Layout) -> list[Sequence]:
         ctx.observe(seqs)
     with stats.stage("realign"):
         finished = batch.realign()
-    policy.observe(seqs, learned, verified.width, accepted, step_start - started, timed(ctx.device) - step_start, span)
+    step_s = timed(ctx.device) - step_start - (rider.cost_s if rider is not None and rider.fed else 0.0)
+    policy.observe(seqs, learned, verified.width, accepted, step_start - started, max(step_s, 0.0), span)
     _after(ctx, batch, finished)
     return finished
 

@@ -19,7 +19,7 @@ from ..core import tree as trees
 from ..core.acceptance import Outcome
 from ..core.tree import Tree, restrict
 from ..layouts.base import Layout
-from ..models.forward import decoder_features, forward
+from ..models.forward import Rider, decoder_features, forward
 from ..proposers.base import Proposal
 from ..proposers.features import Features
 
@@ -48,14 +48,20 @@ class Verified:
 
 
 def verify(
-    target, batch: Layout, drafts: torch.Tensor, proposal: Proposal | None, features: Features | None
+    target,
+    batch: Layout,
+    drafts: torch.Tensor,
+    proposal: Proposal | None,
+    features: Features | None,
+    rider: Rider | None = None,
 ) -> Verified:
     """drafts [B, w] (the first w of the proposal's) -> the target's logits in one forward: over the
-    proposal's draft tree cut at depth w where it drafted one, else over the chain."""
+    proposal's draft tree cut at depth w where it drafted one, else over the chain (which may
+    carry `rider`, another batch's tokens: models/forward.py)."""
     width = drafts.shape[1]
     if proposal is None or proposal.tree is None or width == 0:
-        logits = target_forward(target, batch, torch.cat([batch.pending("target"), drafts], dim=1), features)
-        return Verified(logits, drafts)
+        ids = torch.cat([batch.pending("target"), drafts], dim=1)
+        return Verified(target_forward(target, batch, ids, features, rider=rider), drafts)
     shape = proposal.tree.cut(width)
     nodes = proposal.nodes[:, : len(shape)]
     logits, fed = verify_tree(target, batch, nodes, shape, features)
@@ -116,15 +122,17 @@ def _tree_paths(nodes: list[int], parent: list[int]) -> list[list[int]]:
     return [[]] + paths
 
 
-def target_forward(target, batch: Layout, ids: torch.Tensor, features=None, last_only: bool = False) -> torch.Tensor:
+def target_forward(
+    target, batch: Layout, ids: torch.Tensor, features=None, last_only: bool = False, rider: Rider | None = None
+) -> torch.Tensor:
     """Feed ids [B, q] to the target's cache in `batch`: `forward`. `features` (an eagle.Features,
     or None): also keep the target's features of these tokens (its final hidden states, the ones
     its LM head reads, and any aux layers'; the decoder, then the LM head on the kept columns, as
-    the model itself does)."""
+    the model itself does). `rider`: offered to the forward (its owner keeps its features)."""
     inputs = batch.inputs("target", ids.shape[1])
     if features is None:
-        return forward(target, ids, inputs, last_only)
-    hidden, feats = decoder_features(target, features.aux_layers, input_ids=ids, use_cache=True, **inputs)
+        return forward(target, ids, inputs, last_only, rider)
+    hidden, feats = decoder_features(target, features.aux_layers, rider, input_ids=ids, use_cache=True, **inputs)
     features.write(batch.seqs, inputs["position_ids"], feats)
     return target.get_output_embeddings()(hidden[:, -1:] if last_only else hidden)
 

@@ -54,8 +54,8 @@ MAX_ROWS = 128
 #: Graphs of LeanStack.forward a process may compile (torch's default, 8, is two or three pairs).
 RECOMPILE_LIMIT = 64
 
-#: slot -> a linear layer (weakly held), read by `product`; the current forward's cache, mask,
-#: rows and first slot, read by `attend` and `product` (set around the graph call; a forward never
+#: slot -> a linear layer (weakly held), read by `product`; the current forward's segments (each a
+#: cache, mask and rows) and first slot, read by `attend` and `product` (set around the graph call; a forward never
 #: re-enters itself). A graph holds its products' slots relative to its decoder's first, so a
 #: graph kept on disk (precompiled.py) serves any process's copy of the model.
 _PRODUCTS: dict[int, weakref.ref] = {}
@@ -75,11 +75,16 @@ def _(x, slot):
 
 @torch.library.custom_op("batchspec::attend", mutates_args=())
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int) -> torch.Tensor:
-    """query [1, H, N, D], key/value [1, H_kv, N, D] of layer `layer`, the current forward's B x q
-    tokens flattened -> [1, N, H * D]: the new entries written to its cache, attention over it."""
-    cache, mask, module, (b, q) = _CURRENT["cache"], _CURRENT["mask"], _CURRENT["modules"][layer], _CURRENT["rows"]
-    query, key, value = (t.view(t.shape[1], b, q, t.shape[3]).transpose(0, 1) for t in (query, key, value))
-    return lean.cached_attention(module, cache, mask, query, key, value, layer).reshape(1, b * q, -1)
+    """query [1, H, N, D], key/value [1, H_kv, N, D] of layer `layer`, the current forward's tokens
+    flattened -> [1, N, H * D]: each segment's (its B x q tokens: the batch's, then a rider's) new
+    entries written to its own cache, and attention over that cache with its own mask."""
+    module, outs, start = _CURRENT["modules"][layer], [], 0
+    for cache, mask, (b, q) in _CURRENT["segments"]:
+        part = (t[:, :, start : start + b * q] for t in (query, key, value))
+        part = [t.reshape(t.shape[1], b, q, t.shape[3]).transpose(0, 1) for t in part]
+        outs.append(lean.cached_attention(module, cache, mask, *part, layer).reshape(1, b * q, -1))
+        start += b * q
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 @attend.register_fake
@@ -145,6 +150,7 @@ class CompiledDecoder:
         self.modules = [layer.attn[0] for layer in decoder.layers]
         self.graphs: dict[tuple, object] = {}  # (product form, one token, inference mode) -> its compiled stack
         self.calls = 0  # forwards a graph served
+        self.rider = None  # a forward.Rider the next served forward carries (forward.carrying sets it)
 
     def graph(self, tokens: int):
         """The compiled stack for a forward of `tokens` tokens: at one token, products traced into
@@ -205,8 +211,37 @@ class CompiledDecoder:
         if position_ids is None:  # transformers' decoder's rules, for its own callers
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + q, device=input_ids.device)[None]
+        rider, self.rider = self.rider, None
+        segments = [self._segment(input_ids, attention_mask, position_ids, cache)]
+        if rider is not None:
+            segments.append(self._segment(rider.ids, **rider.inputs))
+        # A saved graph's guards hold its inputs' strides and dispatch keys: contiguous ones, made in
+        # inference mode where it runs (a refused call is traced again: seconds).
+        inference = torch.is_inference_mode_enabled()
+        args = [torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in zip(*(s[3] for s in segments))]
+        args = [
+            t.contiguous() if t.is_inference() or not inference else t.clone(memory_format=torch.contiguous_format)
+            for t in args
+        ]
+        with _current([s[:3] for s in segments], self.modules, self.base):
+            hidden, *outputs = self.graph(args[0].shape[1])(*args)
+        self.calls += 1
+        n = b * q
+        if rider is not None:
+            shape = rider.ids.shape
+            rider.hidden = hidden[:, n:].reshape(*shape, -1)
+            rider.layers = [h[:, n:].reshape(*shape, -1) for h in outputs]
+            rider.fed = True
+        out = BaseModelOutputWithPast(last_hidden_state=hidden[:, :n].view(b, q, -1), past_key_values=cache)
+        out.layer_outputs = [h[:, :n].view(b, q, -1) for h in outputs]
+        return out
+
+    def _segment(self, ids, attention_mask, position_ids, cache) -> tuple:
+        """One batch's part of a forward: (cache, 4-D mask, (rows, tokens), its flat graph inputs:
+        ids [1, n], cos and sin [1, n, D])."""
+        b, q = ids.shape
         shape = self.stack.norm.weight.new_empty(b, q, 1)  # what the mask is built for: rows, tokens, dtype
-        attention_mask = create_causal_mask(
+        mask = create_causal_mask(
             config=self.decoder.config,
             inputs_embeds=shape,
             attention_mask=attention_mask,
@@ -214,26 +249,13 @@ class CompiledDecoder:
             position_ids=position_ids,
         )
         cos, sin = self.decoder.rotary_emb(shape, position_ids.expand(b, q))
-        flat = lambda t: t.reshape(1, b * q, *t.shape[2:])  # noqa: E731
-        # A saved graph's guards hold its inputs' strides and dispatch keys: contiguous ones, made in
-        # inference mode where it runs (a refused call is traced again: seconds).
-        inference = torch.is_inference_mode_enabled()
-        args = [flat(t) for t in (input_ids, cos, sin)]
-        args = [
-            t.contiguous() if t.is_inference() or not inference else t.clone(memory_format=torch.contiguous_format)
-            for t in args
-        ]
-        with _current(cache, attention_mask, self.modules, (b, q), self.base):
-            hidden, *outputs = self.graph(b * q)(*args)
-        self.calls += 1
-        out = BaseModelOutputWithPast(last_hidden_state=hidden.view(b, q, -1), past_key_values=cache)
-        out.layer_outputs = [h.view(b, q, -1) for h in outputs]
-        return out
+        flat = [t.reshape(1, b * q, *t.shape[2:]) for t in (ids, cos, sin)]
+        return cache, mask, (b, q), flat
 
 
 @contextlib.contextmanager
-def _current(cache, mask, modules, rows, base):
-    _CURRENT.update(cache=cache, mask=mask, modules=modules, rows=rows, base=base)
+def _current(segments, modules, base):
+    _CURRENT.update(segments=segments, modules=modules, base=base)
     try:
         yield
     finally:

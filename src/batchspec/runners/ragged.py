@@ -34,6 +34,7 @@ def run(ctx: Context, seqs: list[Sequence], config) -> None:
         kv_peak_bytes=batch.peak_bytes,
         kv_peak_held_tokens=batch.peak_held,
         prefill_chunks=loop.admission.chunks,
+        prefill_chunks_carried=loop.admission.carried,
     )
     if loop.prefixes is not None:
         ctx.stats.extra["prefix_cache"] = loop.prefixes.summary()
