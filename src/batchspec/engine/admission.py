@@ -117,6 +117,10 @@ class PrefillCost:
 class Admission:
     """Waiting sequences (first in, first out) and at most one prompt being fed in chunks."""
 
+    #: Whether a chunk's target tokens may ride in the step's forward (`rider`) instead of a forward
+    #: of their own, where the target's forward can carry them (module docstring; False: never).
+    carry = True
+
     def __init__(
         self,
         ctx: Context,
@@ -138,9 +142,6 @@ class Admission:
         self.cost = PrefillCost()  # prefill seconds by tokens per forward
         self.progress = None  # called after each prefill forward (the online engine's heartbeat)
         self.chunks = 0  # prefill chunks that stopped short of a prompt's end
-        #: Whether a chunk's target tokens may ride in the step's forward (`rider`) instead of a
-        #: forward of their own, where the target's forward can carry them (module docstring).
-        self.carry = True
         self.rider: Rider | None = None  # this iteration's chunk for the step to carry, until `settle`
         self._after: list[str] = []  # the rider's chunk's other roles, fed in `settle`
         self.carried = 0  # chunks the step's forward carried
