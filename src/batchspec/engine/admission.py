@@ -40,11 +40,12 @@ waited 8 s for its first tokens, all at once, where smaller forwards hand them o
 A chunk of a prompt fed alone (one that stops short of its end) rides in the step's own forward
 where the target's forward can carry it (a compiled decoder: models/forward.py, `Rider`): its
 tokens are computed in the same pass as the running rows', into the prompt's own cache, so the
-chunk costs its tokens' share of a forward and not a forward of its own (the fixed part, ~45 ms
-at 135M on 2 cores). The step's time less the rider's estimated share is what the step costs
-here and for the speculation policy. A forward that does not carry it (a draft tree's verify, one
-the compiled graph does not serve) leaves it to `settle`, which feeds it alone after the step.
-Other roles (a draft model fed at admission) are fed their chunk alone as before.
+chunk costs its tokens' share of a forward and not a forward's fixed part of its own. The step's
+time less the rider's estimated share (its tokens at the fit's cost per token) is what the step
+costs here and for the speculation policy. A forward that does not carry it (a draft tree's
+verify, one the compiled graph does not serve) leaves it to `settle`, which feeds it alone after
+the step. Other roles (a draft model fed at admission) are fed their chunk in `settle`, after the
+target's (a draft head reads its features).
 
 A policy that often drafts nothing (`-k auto`) leaves the proposer's cache empty here: the batch
 feeds it a row's tokens when a step first drafts for that row (`RaggedBatch.warm`).
@@ -298,7 +299,7 @@ class Admission:
             for role in self._after:
                 feed(self.ctx, part, role, part.pending(role)[:, :n])
         self.carried += rider.fed
-        if not rider.fed or self._after:
+        if not rider.fed:  # a forward of its own (with the other roles', as `_feed` times one)
             self._observe_prefill(n, time.perf_counter() - start)
 
     def _open(self, batch, seq: Sequence, hit=None) -> PaddedBatch:
