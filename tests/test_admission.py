@@ -121,17 +121,20 @@ def test_a_longest_gap_bounds_every_chunk_idle_rows_or_not():
     assert Admission(ctx=None, gap_steps=4.0).gap_s is None  # no step measured yet: no bound in seconds
 
 
-def _burst(pair, max_gap_s, fitted_b=0.001, forwards=None, gap_steps=None):
+def _burst(pair, max_gap_s, fitted_b=0.001, forwards=None, gap_steps=None, fitted_a=0.0, loops=None):
     """One running row, then six prompts of 100 tokens at once; the prompt tokens each iteration
     prefilled while the running row was waiting for its step (a fixed cost model: `fitted_b`
-    seconds a token, 10 ms a step; each forward is timed at 1 ms a token), and the outputs.
-    `forwards`: a list that gets the prefill forwards each of those iterations ran."""
+    seconds a token and `fitted_a` a forward, 10 ms a step; each forward is timed at 1 ms a token),
+    and the outputs. `forwards`: a list that gets the prefill forwards each of those iterations ran;
+    `loops`: one that gets the loop."""
     dec = SpecDecoder(pair, method="ragged", k=3)
     ctx = Context.of(pair, dec.proposer, 3, None)
     batch = RaggedBatch(ctx.models(), 8, 2048, ctx.k, ctx.pad_id, ctx.device)
     loop = Loop(ctx, batch, max_gap_s=max_gap_s, gap_steps=gap_steps)
     adm = loop.admission
-    adm.cost.a, adm.cost.b, adm.step_s = 0.0, fitted_b, 0.01
+    adm.cost.a, adm.cost.b, adm.step_s = fitted_a, fitted_b, 0.01
+    if loops is not None:
+        loops.append(loop)
     adm.cost.observe = adm.observe_step = lambda *args: None  # the costs stay as set
     fed = []
     original = adm._observe_prefill
@@ -170,6 +173,20 @@ def test_a_gap_in_steps_keeps_a_few_short_steps_from_waiting_on_a_long_chunk(tin
     assert outputs == reference_tokens(tiny64, prompts, 40)
     seconds_only, _, _ = _burst(tiny64, max_gap_s=0.5)
     assert max(seconds_only) >= 400
+
+
+def test_a_carried_chunk_is_sized_without_a_forwards_fixed_part_and_fed_alone_if_not_carried(tiny64, monkeypatch):
+    """Where the target's forward can carry a chunk, the chunk is what fits in the gap beside the
+    step at the fit's cost per token alone (the fixed part a is the carrying forward's): 40 tokens
+    in 40 ms at 1 ms a token, against 20 when a forward of its own pays a = 20 ms. This eager target's
+    step cannot carry it, so each is fed alone after the step (`settle`), with the reference's output."""
+    alone, outputs, prompts = _burst(tiny64, max_gap_s=0.05, fitted_a=0.02)
+    assert max(alone) == 20
+    monkeypatch.setattr(admission, "carries", lambda target: True)
+    loops = []
+    offered, outputs, prompts = _burst(tiny64, max_gap_s=0.05, fitted_a=0.02, loops=loops)
+    assert max(offered) == 40 and loops[0].admission.carried == 0 and loops[0].admission.chunks > 0
+    assert outputs == reference_tokens(tiny64, prompts, 40)
 
 
 def test_a_cost_fit_that_is_wrong_costs_at_most_one_forward_past_the_gap(tiny64):

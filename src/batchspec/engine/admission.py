@@ -317,10 +317,14 @@ class Admission:
         """Feed the partial prompt one chunk (every role), or finish its prefill and move it in."""
         part = self.partial
         left = part.width - part.cache_width("target")
+        carried = self.carry and len(batch) and carries(self.ctx.target)
+        if carried and limit is not None and self.fixed_chunk is None and self.cost.b:
+            more = limit + round(self.cost.a / self.cost.b)  # a carried chunk pays no forward's fixed part
+            limit = more if left > more else limit  # (the last piece runs alone: it does)
         if limit is not None and left > limit:
             self.chunks += 1
             roles = _roles(self.ctx, batch)
-            if self.carry and len(batch) and carries(self.ctx.target):  # the target's part rides in the step
+            if carried:  # the target's part rides in the step
                 ids, inputs = part.pending("target")[:, :limit], part.inputs("target", limit)
                 self.rider = Rider(ids, inputs, cost_s=limit * (self.cost.b or 0.0))
                 self._after = [role for role in roles if role != "target"]  # fed once the target's is
