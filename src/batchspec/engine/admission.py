@@ -40,7 +40,8 @@ waited 8 s for its first tokens, all at once, where smaller forwards hand them o
 A chunk of a prompt fed alone (one that stops short of its end) rides in the step's own forward
 where the target's forward can carry it (a compiled decoder: models/forward.py, `Rider`): its
 tokens are computed in the same pass as the running rows', into the prompt's own cache, so the
-chunk costs its tokens' share of a forward and not a forward's fixed part of its own. The step's
+chunk costs its tokens' share of a forward and not a forward's fixed part of its own; so the
+gap's room takes a / b tokens more of it than of a forward of its own. The step's
 time less the rider's estimated share (its tokens at the fit's cost per token) is what the step
 costs here and for the speculation policy. A forward that does not carry it (a draft tree's
 verify, one the compiled graph does not serve) leaves it to `settle`, which feeds it alone after
