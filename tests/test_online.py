@@ -181,11 +181,11 @@ def test_a_failed_step_fails_its_rows_and_the_rebuilt_batch_serves_on(tiny64, mo
     calls = {"n": 0}
     real_step = loop_module.decode_step
 
-    def flaky(ctx, batch):
+    def flaky(ctx, batch, rider=None):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected fault")
-        return real_step(ctx, batch)
+        return real_step(ctx, batch, rider)
 
     monkeypatch.setattr(loop_module, "decode_step", flaky)
     ctx = _context(tiny64)
@@ -404,9 +404,9 @@ def test_spin_auto_in_the_engine_follows_the_iterations_products(tiny64, monkeyp
     engine.loop.admission.progress = lambda: (prefills.append(engine.spin.spinning), engine._beat())
     real_step = loop_module.decode_step
 
-    def step(ctx, batch):
+    def step(ctx, batch, rider=None):
         steps.append(engine.spin.spinning)
-        return real_step(ctx, batch)
+        return real_step(ctx, batch, rider)
 
     monkeypatch.setattr(loop_module, "decode_step", step)
     prompts = random_prompts(77, 3, 3, 12)

@@ -145,9 +145,8 @@ def feed(ctx: Context, batch: Layout, role: str, ids: torch.Tensor) -> torch.Ten
 
 def decode_step(ctx: Context, batch: Layout, rider: Rider | None = None) -> list[Sequence]:
     """One speculative (or plain) step for every row: plan -> propose -> verify -> accept ->
-    commit -> realign. The speculation policy chooses how many drafts to ask for and how many to
-    verify. `rider`: a prompt chunk the verifying forward may carry (admission.py); the policy is
-    shown the step's time less the rider's estimated share (`rider.cost_s`). Returns the finished rows."""
+    commit -> realign; the policy chooses how many drafts to ask for and to verify. `rider`: a
+    prompt chunk the verify may carry (admission.py), its share of the time (`cost_s`) not the step's."""
     stats, policy, seqs, span = ctx.stats, ctx.speculation, list(batch.seqs), batch.attended_span()
     params = RowParams.of([s.params for s in seqs], ctx.device)
     k, started = _plan(ctx, batch)
