@@ -175,17 +175,15 @@ def test_a_gap_in_steps_keeps_a_few_short_steps_from_waiting_on_a_long_chunk(tin
     assert max(seconds_only) >= 400
 
 
-def test_a_carried_chunk_is_sized_without_a_forwards_fixed_part_and_fed_alone_if_not_carried(tiny64, monkeypatch):
-    """Where the target's forward can carry a chunk, the chunk is what fits in the gap beside the
-    step at the fit's cost per token alone (the fixed part a is the carrying forward's): 40 tokens
-    in 40 ms at 1 ms a token, against 20 when a forward of its own pays a = 20 ms. This eager target's
-    step cannot carry it, so each is fed alone after the step (`settle`), with the reference's output."""
-    alone, outputs, prompts = _burst(tiny64, max_gap_s=0.05, fitted_a=0.02)
-    assert max(alone) == 20
+def test_a_chunk_the_step_cannot_carry_is_fed_alone_after_it(tiny64, monkeypatch):
+    """Where the target's forward could carry a chunk but this step's does not (an eager target),
+    the chunk is fed alone after the step (`settle`), at the size the gap allows a forward of its
+    own, and the output is the reference's."""
     monkeypatch.setattr(admission, "carries", lambda target: True)
     loops = []
     offered, outputs, prompts = _burst(tiny64, max_gap_s=0.05, fitted_a=0.02, loops=loops)
-    assert max(offered) == 40 and loops[0].admission.carried == 0 and loops[0].admission.chunks > 0
+    assert max(offered) == 20  # (40 ms - a) at 1 ms a token
+    assert loops[0].admission.carried == 0 and loops[0].admission.chunks > 0
     assert outputs == reference_tokens(tiny64, prompts, 40)
 
 

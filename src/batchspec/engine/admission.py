@@ -40,8 +40,7 @@ waited 8 s for its first tokens, all at once, where smaller forwards hand them o
 A chunk of a prompt fed alone (one that stops short of its end) rides in the step's own forward
 where the target's forward can carry it (a compiled decoder: models/forward.py, `Rider`): its
 tokens are computed in the same pass as the running rows', into the prompt's own cache, so the
-chunk costs its tokens' share of a forward and not a forward's fixed part of its own; so the
-gap's room takes a / b tokens more of it than of a forward of its own. The step's
+chunk costs its tokens' share of a forward and not a forward's fixed part of its own. The step's
 time less the rider's estimated share (its tokens at the fit's cost per token) is what the step
 costs here and for the speculation policy. A forward that does not carry it (a draft tree's
 verify, one the compiled graph does not serve) leaves it to `settle`, which feeds it alone after
@@ -318,10 +317,10 @@ class Admission:
         """Feed the partial prompt one chunk (every role), or finish its prefill and move it in."""
         part = self.partial
         left = part.width - part.cache_width("target")
+        # Sized as a forward of its own even where carried: sized without the fixed part (a / b
+        # tokens more) it gave 1.00-1.18x the throughput but 1.3-1.9x the ITL p99 at 8 clients
+        # under --max-itl-steps 2.5 (the fit's a is too loose a guide; docs/serving.md).
         carried = self.carry and len(batch) and carries(self.ctx.target)
-        if carried and limit is not None and self.fixed_chunk is None and self.cost.b:
-            more = limit + round(self.cost.a / self.cost.b)  # a carried chunk pays no forward's fixed part
-            limit = more if left > more else limit  # (the last piece runs alone: it does)
         if limit is not None and left > limit:
             self.chunks += 1
             roles = _roles(self.ctx, batch)
