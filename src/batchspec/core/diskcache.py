@@ -143,9 +143,7 @@ def read(kind: str, key: dict):
         if not path.exists():
             return None
         record = json.loads(path.read_text(encoding="utf-8"))
-        if record.get("format") != FORMAT or record.get("key") != json.loads(json.dumps(key, default=str)):
-            return None
-        return record["value"]
+        return record["value"] if _is_of(record, key) else None
     except (OSError, ValueError, KeyError, AttributeError) as err:
         warn_once(f"ignoring the unreadable cache file {path} ({type(err).__name__}); it will be measured again")
         return None
@@ -153,23 +151,8 @@ def read(kind: str, key: dict):
 
 def write(kind: str, key: dict, value) -> None:
     """Store `value` under `key` atomically (a warning, not an error, where it cannot be written)."""
-    path = _record_path(kind, key)
-    if path is None:
-        return
     text = json.dumps({"format": FORMAT, "key": key, "value": value}, default=str, indent=1)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        try:
-            os.fchmod(fd, 0o644)  # mkstemp's file is private: let another user (a container's) read it
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            _remove(tmp)
-            raise
-    except OSError as err:
-        _cannot_write(err)
+    _put(_record_path(kind, key), text.encode("utf-8"))
 
 
 def read_bytes(kind: str, key: dict) -> bytes | None:
@@ -180,10 +163,7 @@ def read_bytes(kind: str, key: dict) -> bytes | None:
         return None
     try:
         with open(path, "rb") as f:
-            head = json.loads(f.readline())
-            if head.get("format") != FORMAT or head.get("key") != json.loads(json.dumps(key, default=str)):
-                return None
-            return f.read()
+            return f.read() if _is_of(json.loads(f.readline()), key) else None
     except (OSError, ValueError, AttributeError) as err:
         warn_once(f"ignoring the unreadable cache file {path} ({type(err).__name__}); it will be made again")
         return None
@@ -191,17 +171,27 @@ def read_bytes(kind: str, key: dict) -> bytes | None:
 
 def write_bytes(kind: str, key: dict, data: bytes) -> None:
     """Store `data` under `key` atomically (a warning, not an error, where it cannot be written)."""
-    path = _record_path(kind, key, ".bin")
+    head = json.dumps({"format": FORMAT, "key": key}, default=str).encode() + b"\n"
+    _put(_record_path(kind, key, ".bin"), head + data)
+
+
+def _is_of(record: dict, key: dict) -> bool:
+    """Whether a record read back (its format and key) was written under `key`."""
+    return record.get("format") == FORMAT and record.get("key") == json.loads(json.dumps(key, default=str))
+
+
+def _put(path: Path | None, data: bytes) -> None:
+    """Write `data` at `path` atomically: a temporary file in the same folder, then one rename
+    (nothing where the cache is off; a warning where it cannot be written)."""
     if path is None:
         return
-    head = json.dumps({"format": FORMAT, "key": key}, default=str).encode() + b"\n"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".bin")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
         try:
-            os.fchmod(fd, 0o644)
+            os.fchmod(fd, 0o644)  # mkstemp's file is private: let another user (a container's) read it
             with os.fdopen(fd, "wb") as f:
-                f.write(head + data)
+                f.write(data)
             os.replace(tmp, path)
         except BaseException:
             _remove(tmp)

@@ -66,7 +66,7 @@ class Loop:
             rider = self.admission.rider  # a prompt chunk the step's forward may carry
             start = time.perf_counter()
             done += decode_step(self.ctx, self.batch, rider)
-            carried = rider.cost_s if rider is not None and rider.fed else 0.0
+            carried = rider.carried_s if rider is not None else 0.0
             self.admission.observe_step(time.perf_counter() - start - carried)
         self.admission.settle()
         return done

@@ -179,7 +179,7 @@ def decode_step(ctx: Context, batch: Layout, rider: Rider | None = None) -> list
         ctx.observe(seqs)
     with stats.stage("realign"):
         finished = batch.realign()
-    step_s = timed(ctx.device) - step_start - (rider.cost_s if rider is not None and rider.fed else 0.0)
+    step_s = timed(ctx.device) - step_start - (rider.carried_s if rider is not None else 0.0)
     policy.observe(seqs, learned, verified.width, accepted, step_start - started, max(step_s, 0.0), span)
     _after(ctx, batch, finished)
     return finished

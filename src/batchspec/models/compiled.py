@@ -55,9 +55,9 @@ MAX_ROWS = 128
 RECOMPILE_LIMIT = 64
 
 #: slot -> a linear layer (weakly held), read by `product`; the current forward's segments (each a
-#: cache, mask and rows) and first slot, read by `attend` and `product` (set around the graph call; a forward never
-#: re-enters itself). A graph holds its products' slots relative to its decoder's first, so a
-#: graph kept on disk (precompiled.py) serves any process's copy of the model.
+#: cache, mask and rows) and its decoder's first slot, read by `attend` and `product` (set around
+#: the graph call; a forward never re-enters itself). A graph holds its products' slots relative to
+#: its decoder's first, so a graph kept on disk (precompiled.py) serves any process's copy of the model.
 _PRODUCTS: dict[int, weakref.ref] = {}
 _CURRENT: dict = {}
 

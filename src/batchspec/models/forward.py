@@ -32,6 +32,11 @@ class Rider:
     layers: list | None = None
     features: torch.Tensor | None = None
 
+    @property
+    def carried_s(self) -> float:
+        """The carrying forward's seconds that were this rider's (estimated): `cost_s` once fed, else 0."""
+        return self.cost_s if self.fed else 0.0
+
 
 def carries(model) -> bool:
     """Whether `model`'s forwards can carry a rider at all (its decoder is compiled)."""

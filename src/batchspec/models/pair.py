@@ -259,8 +259,7 @@ def _load_pair(
             tune_linears(model)
     if why is None:
         compiled.cache_dir(diskcache.root())
-        if diskcache.root() is not None:
-            precompiled.trust_vector_isas()
+        precompiled.trust_vector_isas()
         result.startup = {"forward": "compiled", "compile_s": round(_compile(result), 3)}
     else:
         if compile:  # asked for and refused: say why, once

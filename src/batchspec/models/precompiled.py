@@ -105,10 +105,11 @@ def trust_vector_isas() -> None:
     loading that in a child process, once a process (ten children, about 1.3 s of a start on 2
     cores). Where an earlier start on this machine, with this C++ compiler, found every claimed ISA
     good (its verdict kept in the tuning cache), they are trusted without the check; else the check
-    runs and its verdict is kept. A setting of the user's (`TORCHINDUCTOR_VEC_ISA_OK`) is left alone."""
+    runs and its verdict is kept. A setting of the user's (`TORCHINDUCTOR_VEC_ISA_OK`) is left alone,
+    and without a cache the check runs as inductor runs it."""
     from torch._inductor import config, cpp_builder, cpu_vec_isa
 
-    if config.cpp.vec_isa_ok is not None:
+    if config.cpp.vec_isa_ok is not None or diskcache.root() is None:
         return
     compiler = cpp_builder.get_cpp_compiler()
     found = {
