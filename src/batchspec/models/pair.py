@@ -20,7 +20,7 @@ from ..cache import kv
 from ..core import diskcache, grammar
 from ..core.errors import BatchspecError
 from ..distributed import tp
-from . import attention, compiled, lean, precompiled, quant, sharding, support, vocab
+from . import attention, compiled, ggufread, lean, precompiled, quant, sharding, support, vocab
 from .linears import tune_linears
 from .tiny import byte_tokenizer, tiny_config, tiny_head, tiny_models, tiny_sliding_config
 
@@ -600,10 +600,11 @@ def gguf_name(path: str) -> str:
 
 def _load_gguf(path: str, dtype: torch.dtype, tp_size: int = 1):
     """(model, tokenizer) from a GGUF file. Reading one means parsing it (three times, in
-    transformers) and dequantizing every tensor: ~30 s for a 135M model on 2 cores. So the first
-    load converts it once into the disk cache (diskcache.py, "models/gguf-<sha256>-<transformers>":
-    float32 safetensors, config, tokenizer.json), and every load reads that directory
-    (memory-mapped, under a second), cast to `dtype` as the GGUF load would: the same bits
+    transformers) and dequantizing every tensor: ~30 s for a 135M model on 2 cores (8.5 s with the
+    parse shared, ggufread.py). So the first load converts it once into the disk cache
+    (diskcache.py, "models/gguf-<sha256>-<transformers>": float32 safetensors, config,
+    tokenizer.json), and every load reads that directory (memory-mapped, under a second), cast to
+    `dtype` as the GGUF load would: the same bits
     (tests/test_diskcache.py). Without a writable cache, or if the conversion or the converted
     directory fails, the GGUF is read directly (with a warning for a failure)."""
     name = gguf_name(path)
@@ -632,7 +633,8 @@ def _convert_gguf(path: str, folder) -> None:
 
     folder_of, file = os.path.split(os.path.abspath(path))
     print(f"converting {file} once into {folder.parent} (later starts read it from there)", file=sys.stderr)
-    model, tokenizer = _from_pretrained(folder_of, torch.float32, {"gguf_file": file})
+    with ggufread.reading_once():
+        model, tokenizer = _from_pretrained(folder_of, torch.float32, {"gguf_file": file})
     config = model.config
     if hasattr(config, "quantization_config"):  # the weights are plain now
         del config.quantization_config
