@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 import warnings
 
 import pytest
@@ -191,8 +192,9 @@ def test_the_cpus_vector_isas_are_checked_once_per_machine(tmp_path, monkeypatch
 def test_a_prompts_chunks_ride_in_the_steps_forward_and_decode_as_the_reference(compiled64):
     """Prompts admitted in chunks while rows run: each chunk's target tokens are computed in the
     step's own forward (admission's rider, models/forward.py), with -k auto, fixed k and a draft
-    model fed its chunks alone, and the head's features kept; a draft tree's verify does not carry
-    one (fed alone after the step). The caches (invariant checker) and the output are the reference's."""
+    model fed its chunks alone, and the head's features kept; a prompt's last chunk rides too, its
+    first token picked from the step's hidden state; a draft tree's verify does not carry one (fed
+    alone after the step). The caches (invariant checker) and the output are the reference's."""
     prompts = random_prompts(31, 6, 40, 90)
     lengths = [6, 14, 9, 20, 11, 16]  # rows finish apart: prompts wait while others run
     want = [reference_tokens(compiled64, [p], n)[0] for p, n in zip(prompts, lengths)]
@@ -208,3 +210,39 @@ def test_a_prompts_chunks_ride_in_the_steps_forward_and_decode_as_the_reference(
         assert got == want, config
         carried, chunks = dec.stats.extra["prefill_chunks_carried"], dec.stats.extra["prefill_chunks"]
         assert chunks > 0 and carried == (0 if "branches" in config else chunks), config
+        ends = dec.stats.extra["prefill_ends_carried"]  # a last chunk's first token from the step's forward
+        assert ends == 0 if "branches" in config else ends > 0, config
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    batch=st.integers(2, 4),
+    k=st.sampled_from([2, "auto"]),
+    proposer=st.sampled_from(["eagle", "draft", "ngram"]),
+)
+def test_prompts_admitted_while_rows_run_ride_whole_and_equal_the_reference(compiled64, seed, batch, k, proposer):
+    """More prompts than rows, no fixed chunk: a prompt admitted while rows run rides the step's
+    forward whole, its first token picked from the step's hidden state after it, greedy, seeded and
+    under a grammar alike; every output is the reference's (grammar masks and seeds included)."""
+    rng = random.Random(seed)
+    prompts = random_prompts(seed, 7, 5, 60)
+    params = []
+    for i in range(len(prompts)):
+        extra = rng.choice([{}, {"temperature": 0.9, "seed": seed + i}, {"regex": "[a-f0-9]{3,20}"}])
+        params.append(SamplingParams(max_new_tokens=rng.randint(3, 14), **extra))
+    want = [o.token_ids for o in SpecDecoder(compiled64, method="reference").generate(prompts, params)]
+    dec = SpecDecoder(compiled64, method="ragged", batch_size=batch, k=k, proposer=proposer, check_invariants=True)
+    assert [o.token_ids for o in dec.generate(prompts, params)] == want
+
+
+def test_a_prompt_admitted_while_rows_run_rides_whole(compiled64):
+    """Three rows, eight prompts finishing apart: the prompts admitted after the first wave ride
+    (none is chunked), and the output is the reference's."""
+    prompts = random_prompts(31, 8, 40, 90)
+    lengths = [6, 14, 9, 20, 11, 16, 7, 12]
+    want = [reference_tokens(compiled64, [p], n)[0] for p, n in zip(prompts, lengths)]
+    dec = SpecDecoder(compiled64, method="ragged", batch_size=3, k="auto", check_invariants=True)
+    assert [o.token_ids for o in dec.generate(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])] == want
+    extra = dec.stats.extra
+    assert extra["prefill_chunks"] == 0 and extra["prefill_ends_carried"] >= 4

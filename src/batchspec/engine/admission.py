@@ -121,6 +121,12 @@ class Admission:
     #: Whether a chunk's target tokens may ride in the step's forward (`rider`) instead of a forward
     #: of their own, where the target's forward can carry them (module docstring; False: never).
     carry = True
+    #: Whether a prompt's last chunk may ride as well, its first token picked after the step (False:
+    #: a forward of its own, with its first token, as before).
+    carry_ends = True
+    #: Whether a whole prompt that arrives while rows run rides the step as its one chunk (False: it
+    #: is prefilled in a forward of its own, grouped with others, as before).
+    ride_prompts = True
 
     def __init__(
         self,
@@ -146,6 +152,7 @@ class Admission:
         self.rider: Rider | None = None  # this iteration's chunk for the step to carry, until `settle`
         self._after: list[str] = []  # the rider's chunk's other roles, fed in `settle`
         self.carried = 0  # chunks the step's forward carried
+        self.carried_ends = 0  # prompts whose last chunk (and first token) the step's forward carried
         self.prefixes: PrefixCache | None = None  # where prompts start from, if set (Loop sets it)
         #: Prefill seconds measured this iteration since a running row last had a step (None: no
         #: row waits yet); with `max_gap_s`, what the rest of the iteration may still spend.
@@ -236,7 +243,8 @@ class Admission:
                 break
             hit = self.prefixes.worth(self.waiting[0].token_ids) if self.prefixes is not None else None
             rest = len(self.waiting[0]) - (hit.length if hit is not None else 0)
-            if hit is not None or (room is not None and rest > room):  # alone, from its cached prefix
+            rides = room is not None and self._rides(batch)
+            if hit is not None or rides or (room is not None and rest > room):  # alone, from its cached prefix
                 if spent and room is not None and rest > room:
                     break  # a long prompt starts next iteration, with a whole chunk
                 self.partial = self._open(batch, self.waiting.popleft(), hit)
@@ -260,6 +268,10 @@ class Admission:
             limit = self._bounded(batch, limit, spent)
         return finished
 
+    def _rides(self, batch) -> bool:
+        """Whether a prompt admitted now would ride the step's forward whole (rows run)."""
+        return self.ride_prompts and self.carry and self.carry_ends and len(batch) > 0 and carries(self.ctx.target)
+
     def _bounded(self, batch, limit: int | None, spent: int) -> int | None:
         """The iteration's limit after a forward, once rows run and a gap is set. An unbounded wave
         (nothing was running) stops at the gap's worth of tokens past what it has fed, since the
@@ -281,14 +293,17 @@ class Admission:
         timed = spent + (self.cost.tokens_for(left) if left > 0 and self.cost.b is not None else 0)
         return tp.agree(timed if limit is None else min(limit, timed))
 
-    def settle(self) -> None:
+    def settle(self, batch) -> list[Sequence]:
         """After the step: this iteration's rider, if the step's forward did not carry it (a tree's
         verify, a forward the compiled graph does not serve), is fed alone now; a carried one's
         target features are kept where a draft head reads them. Then the chunk's other roles are
-        fed (after the target's, whose features a head reads)."""
+        fed (after the target's, whose features a head reads). A prompt's last chunk then gives
+        its first token and moves its row into `batch`. Returns the sequences that finished."""
         rider, self.rider = self.rider, None
         if rider is None:
-            return
+            return []
+        if rider.completes:
+            return self._settle_end(batch, rider)
         part, n = self.partial, rider.ids.shape[1]
         start = time.perf_counter()
         with self.ctx.stats.stage("prefill"):
@@ -301,6 +316,20 @@ class Admission:
         self.carried += rider.fed
         if not rider.fed:  # a forward of its own (with the other roles', as `_feed` times one)
             self._observe_prefill(n, time.perf_counter() - start)
+        return []
+
+    def _settle_end(self, batch, rider: Rider) -> list[Sequence]:
+        """A prompt's last chunk after the step: carried, its first token comes from the target's
+        last hidden state (its LM head, as `feed` computes it), the other roles are fed and the row
+        moves in; not carried, it is prefilled alone as any last chunk."""
+        part, self.partial = self.partial, None
+        if not rider.fed:
+            return self._complete(batch, part, rider.ids.shape[1])
+        self.carried_ends += 1
+        if self.ctx.features is not None:
+            self.ctx.features.write(part.seqs, rider.inputs["position_ids"], rider.features)
+        logits = self.ctx.target.get_output_embeddings()(rider.hidden[:, -1:])
+        return self._complete(batch, part, None, self._after, logits)
 
     def _open(self, batch, seq: Sequence, hit=None) -> PaddedBatch:
         """A one-row padded batch for a prompt to be fed alone (in chunks, or after a cached
@@ -335,6 +364,11 @@ class Admission:
                     feed(self.ctx, part, role, part.pending(role)[:, :limit])
             self._observe_prefill(limit, time.perf_counter() - start)
             return limit, []
+        if carried and self.carry_ends and left > 0:  # the last chunk rides too; its first token comes in `settle`
+            ids, inputs = part.pending("target"), part.inputs("target", left)
+            self.rider = Rider(ids, inputs, cost_s=left * (self.cost.b or 0.0), completes=True)
+            self._after = [role for role in _roles(self.ctx, batch) if role != "target"]
+            return left, []
         self.partial = None
         return left, self._complete(batch, part, left)
 
@@ -354,11 +388,14 @@ class Admission:
             )
         return finished
 
-    def _complete(self, batch, part: PaddedBatch, tokens: int) -> list[Sequence]:
-        """Prefill what `part` lacks (first token included) and move its live rows into `batch`."""
+    def _complete(self, batch, part: PaddedBatch, tokens: int | None, roles=None, target_logits=None) -> list[Sequence]:
+        """Prefill what `part` lacks (first token included) and move its live rows into `batch`.
+        `tokens`: the prompt tokens this forward feeds, timed for the cost fit (None: not a forward
+        of its own); `roles`, `target_logits`: as `prefill` takes them."""
         start = time.perf_counter()
-        finished = prefill(self.ctx, part, _roles(self.ctx, batch))
-        self._observe_prefill(tokens, time.perf_counter() - start)
+        finished = prefill(self.ctx, part, _roles(self.ctx, batch) if roles is None else roles, target_logits)
+        if tokens is not None:
+            self._observe_prefill(tokens, time.perf_counter() - start)
         batch.unreserve(finished)
         if len(part):
             with self.ctx.stats.stage("schedule"):

@@ -68,7 +68,7 @@ class Loop:
             done += decode_step(self.ctx, self.batch, rider)
             carried = rider.carried_s if rider is not None else 0.0
             self.admission.observe_step(time.perf_counter() - start - carried)
-        self.admission.settle()
+        done += self.admission.settle(self.batch)
         return done
 
     def run(self) -> None:

@@ -111,11 +111,14 @@ def start(ctx: Context, seqs: list[Sequence], batch_cls: type | None = None) -> 
     return batch
 
 
-def prefill(ctx: Context, batch: Layout, roles: list[str] | None = None) -> list[Sequence]:
+def prefill(
+    ctx: Context, batch: Layout, roles: list[str] | None = None, target_logits: torch.Tensor | None = None
+) -> list[Sequence]:
     """Feed `roles` (default: every role) the rows' uncached tokens; the target's last logits give
-    each row its first token. Returns the rows that finished (EOS first, or max_new_tokens == 1)."""
+    each row its first token. Returns the rows that finished (EOS first, or max_new_tokens == 1).
+    `target_logits` [B, 1, V]: those logits where the target's cache holds the rows' prompts already
+    (a chunk carried in a step's forward, admission.py); `roles` then lacks the target."""
     with ctx.stats.stage("prefill"):
-        target_logits = None
         for role in ctx.models() if roles is None else roles:  # the target first
             if role != "target" and ctx.copies_target:  # its cache: a copy of the target's
                 ctx.proposer.seen(batch.pending(role))

@@ -27,6 +27,7 @@ class Rider:
     ids: torch.Tensor
     inputs: dict
     cost_s: float = 0.0  # its owner's estimate of its share of the carrying forward's time
+    completes: bool = False  # the chunk ends its prompt: the owner picks the first token from `hidden`
     fed: bool = False
     hidden: torch.Tensor | None = None
     layers: list | None = None

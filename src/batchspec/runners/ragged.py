@@ -35,6 +35,7 @@ def run(ctx: Context, seqs: list[Sequence], config) -> None:
         kv_peak_held_tokens=batch.peak_held,
         prefill_chunks=loop.admission.chunks,
         prefill_chunks_carried=loop.admission.carried,
+        prefill_ends_carried=loop.admission.carried_ends,
     )
     if loop.prefixes is not None:
         ctx.stats.extra["prefix_cache"] = loop.prefixes.summary()
