@@ -243,11 +243,10 @@ class Admission:
                 break
             hit = self.prefixes.worth(self.waiting[0].token_ids) if self.prefixes is not None else None
             rest = len(self.waiting[0]) - (hit.length if hit is not None else 0)
-            rides = room is not None and self._rides(batch)
-            if hit is not None or rides or (room is not None and rest > room):  # alone, from its cached prefix
+            if hit is not None or (room is not None and rest > room):  # alone, from its cached prefix
                 if spent and room is not None and rest > room:
                     break  # a long prompt starts next iteration, with a whole chunk
-                self.partial = self._open(batch, self.waiting.popleft(), hit)
+                self.partial = self._open(batch, [self.waiting.popleft()], hit)
                 used, done = self._feed(batch, room)
                 spent, finished = spent + used, finished + done
                 limit = self._bounded(batch, limit, spent)
@@ -264,12 +263,16 @@ class Admission:
                 group.append(self.waiting.popleft())
                 size += len(group[-1])
             spent += size
+            if room is not None and self._rides(batch):  # the group rides the step's forward
+                self.partial = self._open(batch, sorted(group, key=len))
+                self._feed(batch, room)
+                break
             finished += self._prefill_group(batch, group)
             limit = self._bounded(batch, limit, spent)
         return finished
 
     def _rides(self, batch) -> bool:
-        """Whether a prompt admitted now would ride the step's forward whole (rows run)."""
+        """Whether prompts admitted now would ride the step's forward whole (rows run)."""
         return self.ride_prompts and self.carry and self.carry_ends and len(batch) > 0 and carries(self.ctx.target)
 
     def _bounded(self, batch, limit: int | None, spent: int) -> int | None:
@@ -324,23 +327,25 @@ class Admission:
         moves in; not carried, it is prefilled alone as any last chunk."""
         part, self.partial = self.partial, None
         if not rider.fed:
-            return self._complete(batch, part, rider.ids.shape[1])
+            return self._complete(batch, part, rider.ids.numel())
         self.carried_ends += 1
         if self.ctx.features is not None:
             self.ctx.features.write(part.seqs, rider.inputs["position_ids"], rider.features)
         logits = self.ctx.target.get_output_embeddings()(rider.hidden[:, -1:])
         return self._complete(batch, part, None, self._after, logits)
 
-    def _open(self, batch, seq: Sequence, hit=None) -> PaddedBatch:
-        """A one-row padded batch for a prompt to be fed alone (in chunks, or after a cached
-        prefix): its caches hold `hit`'s entries of the roles fed at admission, else nothing."""
-        batch.reserve([seq])
-        seq.status = Status.RUNNING
+    def _open(self, batch, seqs: list[Sequence], hit=None) -> PaddedBatch:
+        """A padded batch for prompts to be fed apart from the running rows (one prompt in chunks or
+        after a cached prefix, or a group riding the step): its caches hold `hit`'s entries of the
+        roles fed at admission (one prompt), else nothing."""
+        batch.reserve(seqs)
         models = self.ctx.models()
         caches = kv.empty_caches(models)
-        if self.prefixes is not None:
-            caches |= self.prefixes.take(seq, hit, {role: models[role] for role in _roles(self.ctx, batch)})
-        return PaddedBatch([seq], caches, self.ctx.pad_id, self.ctx.device)
+        for seq in seqs:
+            seq.status = Status.RUNNING
+            if self.prefixes is not None:
+                caches |= self.prefixes.take(seq, hit, {role: models[role] for role in _roles(self.ctx, batch)})
+        return PaddedBatch(seqs, caches, self.ctx.pad_id, self.ctx.device)
 
     def _feed(self, batch, limit: int | None) -> tuple[int, list[Sequence]]:
         """Feed the partial prompt one chunk (every role), or finish its prefill and move it in."""
@@ -366,7 +371,7 @@ class Admission:
             return limit, []
         if carried and self.carry_ends and left > 0:  # the last chunk rides too; its first token comes in `settle`
             ids, inputs = part.pending("target"), part.inputs("target", left)
-            self.rider = Rider(ids, inputs, cost_s=left * (self.cost.b or 0.0), completes=True)
+            self.rider = Rider(ids, inputs, cost_s=ids.numel() * (self.cost.b or 0.0), completes=True)
             self._after = [role for role in _roles(self.ctx, batch) if role != "target"]
             return left, []
         self.partial = None
