@@ -20,6 +20,7 @@ from batchspec import SamplingParams, SpecDecoder, load_pair
 from batchspec.cli import main
 from batchspec.models import compiled, lean, precompiled
 from batchspec.models.forward import decoder_features
+from batchspec.policy import speculation
 
 
 @pytest.fixture(scope="module")
@@ -236,9 +237,13 @@ def test_prompts_admitted_while_rows_run_ride_whole_and_equal_the_reference(comp
     assert [o.token_ids for o in dec.generate(prompts, params)] == want
 
 
-def test_a_prompt_admitted_while_rows_run_rides_whole(compiled64):
+def test_a_prompt_admitted_while_rows_run_rides_whole(compiled64, monkeypatch):
     """Three rows, eight prompts finishing apart: the prompts admitted after the first wave ride
-    (none is chunked), and the output is the reference's."""
+    (none is chunked), and the output is the reference's. The steps that carried them are not
+    timed by the policy (None); the others are, with positive seconds."""
+    timed = []
+    observe = speculation.Adaptive.observe
+    monkeypatch.setattr(speculation.Adaptive, "observe", lambda self, *a: (timed.append(a[5]), observe(self, *a))[1])
     prompts = random_prompts(31, 8, 40, 90)
     lengths = [6, 14, 9, 20, 11, 16, 7, 12]
     want = [reference_tokens(compiled64, [p], n)[0] for p, n in zip(prompts, lengths)]
@@ -246,3 +251,4 @@ def test_a_prompt_admitted_while_rows_run_rides_whole(compiled64):
     assert [o.token_ids for o in dec.generate(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])] == want
     extra = dec.stats.extra
     assert extra["prefill_chunks"] == 0 and extra["prefill_ends_carried"] >= 4
+    assert timed.count(None) == extra["prefill_ends_carried"] and all(t > 0 for t in timed if t is not None)

@@ -37,15 +37,17 @@ out its rows' first tokens before the next begins: once a forward holds that man
 make it no cheaper per token, only later for every prompt in it (a wave of 8 prompts of 286 tokens
 waited 8 s for its first tokens, all at once, where smaller forwards hand them out one by one).
 
-A chunk of a prompt fed alone (one that stops short of its end) rides in the step's own forward
-where the target's forward can carry it (a compiled decoder: models/forward.py, `Rider`): its
-tokens are computed in the same pass as the running rows', into the prompt's own cache, so the
-chunk costs its tokens' share of a forward and not a forward's fixed part of its own. The step's
-time less the rider's estimated share (its tokens at the fit's cost per token) is what the step
-costs here and for the speculation policy. A forward that does not carry it (a draft tree's
-verify, one the compiled graph does not serve) leaves it to `settle`, which feeds it alone after
-the step. Other roles (a draft model fed at admission) are fed their chunk in `settle`, after the
-target's (a draft head reads its features).
+Where the target's forward can carry them (a compiled decoder: models/forward.py, `Rider`), prompts
+admitted while rows run ride in the step's own forward: a long prompt's chunks, its last chunk, or
+a group of whole prompts (one padded batch). Their tokens are computed in the same pass as the
+running rows', into their own caches, so they cost their tokens' share of a forward and not a
+forward's fixed part of their own; a prompt's last chunk gives its first token from the step's
+hidden state (its LM head, in `settle`), and its row joins the batch after the step. A step that
+carried prompt tokens is not timed, here or by the speculation policy (its share of the forward is
+no step's cost: estimated from the prefill fit, it once came out negative). A forward that does
+not carry them (a draft tree's verify, one the compiled graph does not serve) leaves them to
+`settle`, which feeds them alone after the step. Other roles (a draft model fed at admission) are
+fed in `settle`, after the target's (a draft head reads its features).
 
 A policy that often drafts nothing (`-k auto`) leaves the proposer's cache empty here: the batch
 feeds it a row's tokens when a step first drafts for that row (`RaggedBatch.warm`).
@@ -360,7 +362,7 @@ class Admission:
             roles = _roles(self.ctx, batch)
             if carried:  # the target's part rides in the step
                 ids, inputs = part.pending("target")[:, :limit], part.inputs("target", limit)
-                self.rider = Rider(ids, inputs, cost_s=limit * (self.cost.b or 0.0))
+                self.rider = Rider(ids, inputs)
                 self._after = [role for role in roles if role != "target"]  # fed once the target's is
                 return limit, []
             start = time.perf_counter()
@@ -371,7 +373,7 @@ class Admission:
             return limit, []
         if carried and self.carry_ends and left > 0:  # the last chunk rides too; its first token comes in `settle`
             ids, inputs = part.pending("target"), part.inputs("target", left)
-            self.rider = Rider(ids, inputs, cost_s=ids.numel() * (self.cost.b or 0.0), completes=True)
+            self.rider = Rider(ids, inputs, completes=True)
             self._after = [role for role in _roles(self.ctx, batch) if role != "target"]
             return left, []
         self.partial = None

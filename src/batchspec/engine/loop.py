@@ -66,8 +66,8 @@ class Loop:
             rider = self.admission.rider  # a prompt chunk the step's forward may carry
             start = time.perf_counter()
             done += decode_step(self.ctx, self.batch, rider)
-            carried = rider.carried_s if rider is not None else 0.0
-            self.admission.observe_step(time.perf_counter() - start - carried)
+            if rider is None or not rider.fed:  # a step that carried a chunk is no step's measure
+                self.admission.observe_step(time.perf_counter() - start)
         done += self.admission.settle(self.batch)
         return done
 

@@ -149,7 +149,7 @@ def feed(ctx: Context, batch: Layout, role: str, ids: torch.Tensor) -> torch.Ten
 def decode_step(ctx: Context, batch: Layout, rider: Rider | None = None) -> list[Sequence]:
     """One speculative (or plain) step for every row: plan -> propose -> verify -> accept ->
     commit -> realign; the policy chooses how many drafts to ask for and to verify. `rider`: a
-    prompt chunk the verify may carry (admission.py), its share of the time (`cost_s`) not the step's."""
+    prompt chunk the verify may carry (admission.py); a step that carried one is not timed."""
     stats, policy, seqs, span = ctx.stats, ctx.speculation, list(batch.seqs), batch.attended_span()
     params = RowParams.of([s.params for s in seqs], ctx.device)
     k, started = _plan(ctx, batch)
@@ -182,8 +182,8 @@ def decode_step(ctx: Context, batch: Layout, rider: Rider | None = None) -> list
         ctx.observe(seqs)
     with stats.stage("realign"):
         finished = batch.realign()
-    step_s = timed(ctx.device) - step_start - (rider.carried_s if rider is not None else 0.0)
-    policy.observe(seqs, learned, verified.width, accepted, step_start - started, max(step_s, 0.0), span)
+    step_s = None if rider is not None and rider.fed else timed(ctx.device) - step_start
+    policy.observe(seqs, learned, verified.width, accepted, step_start - started, step_s, span)
     _after(ctx, batch, finished)
     return finished
 

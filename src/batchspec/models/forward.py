@@ -26,17 +26,11 @@ class Rider:
 
     ids: torch.Tensor
     inputs: dict
-    cost_s: float = 0.0  # its owner's estimate of its share of the carrying forward's time
     completes: bool = False  # the chunk ends its prompt: the owner picks the first token from `hidden`
     fed: bool = False
     hidden: torch.Tensor | None = None
     layers: list | None = None
     features: torch.Tensor | None = None
-
-    @property
-    def carried_s(self) -> float:
-        """The carrying forward's seconds that were this rider's (estimated): `cost_s` once fed, else 0."""
-        return self.cost_s if self.fed else 0.0
 
 
 def carries(model) -> bool:

@@ -109,7 +109,8 @@ class Speculation(Protocol):
         ...
 
     def observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span) -> None:
-        """The step's outcome: accepted drafts per row [B], seconds spent proposing and stepping."""
+        """The step's outcome: accepted drafts per row [B], seconds spent proposing and stepping
+        (`step_s` None: not timed, its forward carried a prompt's chunk)."""
         ...
 
     def describe(self) -> dict | None:
@@ -277,8 +278,9 @@ class Adaptive(Speculation):
     def observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span) -> None:
         """Learn from a finished step: acceptance by bin and position, each row's ratio, costs."""
         rows = len(num_accepted)
-        self.step_cost.observe(rows, self._columns(width), span, step_s)
-        self._check_drift()
+        if step_s is not None:
+            self.step_cost.observe(rows, self._columns(width), span, step_s)
+            self._check_drift()
         self.unverified = 0 if width > 0 else self.unverified + 1
         self.unplain = 0 if width == 0 else self.unplain + 1
         if proposal is None:
