@@ -253,10 +253,11 @@ class Admission:
                 spent, finished = spent + used, finished + done
                 limit = self._bounded(batch, limit, spent)
                 continue
+            rides = room is not None and self._rides(batch)  # bounded by the room alone: no forward follows
             group = [self.waiting.popleft()]
             size = len(group[0])  # the group's prompt tokens
             while self.waiting and batch.fits(self.waiting[0], extra=group):
-                if size >= GROUP_TOKENS:
+                if size >= GROUP_TOKENS and not rides:
                     break  # a full forward: its first tokens go out before the next group's prefill
                 if room is not None and size + len(self.waiting[0]) > room:
                     break
@@ -265,7 +266,7 @@ class Admission:
                 group.append(self.waiting.popleft())
                 size += len(group[-1])
             spent += size
-            if room is not None and self._rides(batch):  # the group rides the step's forward
+            if rides:  # the group rides the step's forward
                 self.partial = self._open(batch, sorted(group, key=len))
                 self._feed(batch, room)
                 break
