@@ -253,11 +253,13 @@ class Admission:
                 spent, finished = spent + used, finished + done
                 limit = self._bounded(batch, limit, spent)
                 continue
-            rides = room is not None and self._rides(batch)  # bounded by the room alone: no forward follows
+            # A riding group is bounded as one of its own: bounded by the room alone (no forward of its
+            # own follows it) it gave 0.76-0.84x the throughput and 5x the TTFT p50 at 16 clients.
+            rides = room is not None and self._rides(batch)
             group = [self.waiting.popleft()]
             size = len(group[0])  # the group's prompt tokens
             while self.waiting and batch.fits(self.waiting[0], extra=group):
-                if size >= GROUP_TOKENS and not rides:
+                if size >= GROUP_TOKENS:
                     break  # a full forward: its first tokens go out before the next group's prefill
                 if room is not None and size + len(self.waiting[0]) > room:
                     break
