@@ -8,6 +8,7 @@ import copy
 import json
 import random
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from transformers import DynamicCache
 
 from batchspec import SamplingParams, SpecDecoder, load_pair
 from batchspec.cli import main
+from batchspec.engine.admission import Admission
 from batchspec.models import compiled, lean, precompiled
 from batchspec.models.forward import decoder_features
 from batchspec.policy import speculation
@@ -223,7 +225,7 @@ def test_a_prompts_chunks_ride_in_the_steps_forward_and_decode_as_the_reference(
     proposer=st.sampled_from(["eagle", "draft", "ngram"]),
 )
 def test_prompts_admitted_while_rows_run_ride_whole_and_equal_the_reference(compiled64, seed, batch, k, proposer):
-    """More prompts than rows, no fixed chunk: a prompt admitted while rows run rides the step's
+    """More prompts than rows, no fixed chunk, `ride_prompts` on: a prompt admitted while rows run rides the step's
     forward whole, its first token picked from the step's hidden state after it, greedy, seeded and
     under a grammar alike; every output is the reference's (grammar masks and seeds included)."""
     rng = random.Random(seed)
@@ -234,13 +236,15 @@ def test_prompts_admitted_while_rows_run_ride_whole_and_equal_the_reference(comp
         params.append(SamplingParams(max_new_tokens=rng.randint(3, 14), **extra))
     want = [o.token_ids for o in SpecDecoder(compiled64, method="reference").generate(prompts, params)]
     dec = SpecDecoder(compiled64, method="ragged", batch_size=batch, k=k, proposer=proposer, check_invariants=True)
-    assert [o.token_ids for o in dec.generate(prompts, params)] == want
+    with mock.patch.object(Admission, "ride_prompts", True):
+        assert [o.token_ids for o in dec.generate(prompts, params)] == want
 
 
 def test_a_prompt_admitted_while_rows_run_rides_whole(compiled64, monkeypatch):
     """Three rows, eight prompts finishing apart: the prompts admitted after the first wave ride
     (none is chunked), and the output is the reference's. The steps that carried them are not
     timed by the policy (None); the others are, with positive seconds."""
+    monkeypatch.setattr(Admission, "ride_prompts", True)
     timed = []
     observe = speculation.Adaptive.observe
     monkeypatch.setattr(speculation.Adaptive, "observe", lambda self, *a: (timed.append(a[5]), observe(self, *a))[1])

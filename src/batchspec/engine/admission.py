@@ -126,9 +126,10 @@ class Admission:
     #: Whether a prompt's last chunk may ride as well, its first token picked after the step (False:
     #: a forward of its own, with its first token, as before).
     carry_ends = True
-    #: Whether a whole prompt that arrives while rows run rides the step as its one chunk (False: it
-    #: is prefilled in a forward of its own, grouped with others, as before).
-    ride_prompts = True
+    #: Whether prompts admitted while rows run ride the step as a group (False: prefilled in a forward
+    #: of their own, as before). Off: in two A/Bs it cut the ITL p99 at 16 clients by 20-30% at the same
+    #: throughput, but an aiperf sweep saw one 4.1 s longest gap not yet explained (docs/serving.md).
+    ride_prompts = False
 
     def __init__(
         self,
