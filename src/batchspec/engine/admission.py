@@ -254,8 +254,8 @@ class Admission:
                 spent, finished = spent + used, finished + done
                 limit = self._bounded(batch, limit, spent)
                 continue
-            # A riding group is bounded as one of its own: bounded by the room alone (no forward of its
-            # own follows it) it gave 0.76-0.84x the throughput and 5x the TTFT p50 at 16 clients.
+            # A riding group is bounded as any group (GROUP_TOKENS): bounded by the room alone, it gave
+            # 0.76-0.84x the throughput and 5x the TTFT p50 at 16 clients (docs/serving.md).
             rides = room is not None and self._rides(batch)
             group = [self.waiting.popleft()]
             size = len(group[0])  # the group's prompt tokens
