@@ -318,8 +318,7 @@ class Admission:
         with self.ctx.stats.stage("prefill"):
             if not rider.fed:
                 feed(self.ctx, part, "target", rider.ids)
-            elif self.ctx.features is not None:
-                self.ctx.features.write(part.seqs, rider.inputs["position_ids"], rider.features)
+            self._keep_features(part, rider)
             for role in self._after:
                 feed(self.ctx, part, role, part.pending(role)[:, :n])
         self.carried += rider.fed
@@ -335,10 +334,14 @@ class Admission:
         if not rider.fed:
             return self._complete(batch, part, rider.ids.numel())
         self.carried_ends += 1
-        if self.ctx.features is not None:
-            self.ctx.features.write(part.seqs, rider.inputs["position_ids"], rider.features)
+        self._keep_features(part, rider)
         logits = self.ctx.target.get_output_embeddings()(rider.hidden[:, -1:])
         return self._complete(batch, part, None, self._after, logits)
+
+    def _keep_features(self, part: PaddedBatch, rider: Rider) -> None:
+        """A carried rider's target features, kept where the proposer reads them (if it does)."""
+        if rider.fed and self.ctx.features is not None:
+            self.ctx.features.write(part.seqs, rider.inputs["position_ids"], rider.features)
 
     def _open(self, batch, seqs: list[Sequence], hit=None) -> PaddedBatch:
         """A padded batch for prompts to be fed apart from the running rows (one prompt in chunks or
@@ -347,10 +350,11 @@ class Admission:
         batch.reserve(seqs)
         models = self.ctx.models()
         caches = kv.empty_caches(models)
+        fed = {role: models[role] for role in _roles(self.ctx, batch)}
         for seq in seqs:
             seq.status = Status.RUNNING
             if self.prefixes is not None:
-                caches |= self.prefixes.take(seq, hit, {role: models[role] for role in _roles(self.ctx, batch)})
+                caches |= self.prefixes.take(seq, hit, fed)
         return PaddedBatch(seqs, caches, self.ctx.pad_id, self.ctx.device)
 
     def _feed(self, batch, limit: int | None) -> tuple[int, list[Sequence]]:
@@ -361,13 +365,11 @@ class Admission:
         # tokens more) it gave 1.00-1.18x the throughput but 1.3-1.9x the ITL p99 at 8 clients
         # under --max-itl-steps 2.5 (the fit's a is too loose a guide; docs/serving.md).
         carried = self.carry and len(batch) and carries(self.ctx.target)
+        roles = _roles(self.ctx, batch)
         if limit is not None and left > limit:
             self.chunks += 1
-            roles = _roles(self.ctx, batch)
             if carried:  # the target's part rides in the step
-                ids, inputs = part.pending("target")[:, :limit], part.inputs("target", limit)
-                self.rider = Rider(ids, inputs)
-                self._after = [role for role in roles if role != "target"]  # fed once the target's is
+                self._ride(part, limit, roles, completes=False)
                 return limit, []
             start = time.perf_counter()
             with self.ctx.stats.stage("prefill"):
@@ -376,12 +378,16 @@ class Admission:
             self._observe_prefill(limit, time.perf_counter() - start)
             return limit, []
         if carried and self.carry_ends and left > 0:  # the last chunk rides too; its first token comes in `settle`
-            ids, inputs = part.pending("target"), part.inputs("target", left)
-            self.rider = Rider(ids, inputs, completes=True)
-            self._after = [role for role in _roles(self.ctx, batch) if role != "target"]
+            self._ride(part, left, roles, completes=True)
             return left, []
         self.partial = None
         return left, self._complete(batch, part, left)
+
+    def _ride(self, part: PaddedBatch, n: int, roles: list[str], completes: bool) -> None:
+        """Hand `part`'s next n target tokens to the step as its rider; its other roles are fed in
+        `settle`, once the target's are (a draft head reads their features)."""
+        self.rider = Rider(part.pending("target")[:, :n], part.inputs("target", n), completes=completes)
+        self._after = [role for role in roles if role != "target"]
 
     def _prefill_group(self, batch, group: list[Sequence]) -> list[Sequence]:
         """Prefill whole prompts in length buckets and move them in."""

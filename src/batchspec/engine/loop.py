@@ -15,6 +15,7 @@ from collections import deque
 
 from ..cache.prefixes import PrefixCache
 from ..core.sequence import Sequence
+from ..models.forward import carried
 from .admission import Admission
 from .step import Context, decode_step
 
@@ -66,7 +67,7 @@ class Loop:
             rider = self.admission.rider  # a prompt chunk the step's forward may carry
             start = time.perf_counter()
             done += decode_step(self.ctx, self.batch, rider)
-            if rider is None or not rider.fed:  # a step that carried a chunk is no step's measure
+            if not carried(rider):  # a step that carried a chunk is no step's measure
                 self.admission.observe_step(time.perf_counter() - start)
         done += self.admission.settle(self.batch)
         return done

@@ -34,7 +34,7 @@ from ..core.stats import Stats
 from ..distributed import tp
 from ..layouts.base import Layout
 from ..layouts.padded import PaddedBatch
-from ..models.forward import Rider
+from ..models.forward import Rider, carried
 from ..models.pair import ModelPair
 from ..policy.speculation import Fixed, Speculation, timed
 from ..proposers.base import Proposal, Proposer
@@ -182,7 +182,7 @@ def decode_step(ctx: Context, batch: Layout, rider: Rider | None = None) -> list
         ctx.observe(seqs)
     with stats.stage("realign"):
         finished = batch.realign()
-    step_s = None if rider is not None and rider.fed else timed(ctx.device) - step_start
+    step_s = None if carried(rider) else timed(ctx.device) - step_start
     policy.observe(seqs, learned, verified.width, accepted, step_start - started, step_s, span)
     _after(ctx, batch, finished)
     return finished

@@ -33,6 +33,11 @@ class Rider:
     features: torch.Tensor | None = None
 
 
+def carried(rider: Rider | None) -> bool:
+    """Whether a forward carried `rider` (None: there was none)."""
+    return rider is not None and rider.fed
+
+
 def carries(model) -> bool:
     """Whether `model`'s forwards can carry a rider at all (its decoder is compiled)."""
     return compiled.compiled(model) is not None
