@@ -121,6 +121,55 @@ def test_a_longest_gap_bounds_every_chunk_idle_rows_or_not():
     assert Admission(ctx=None, gap_steps=4.0).gap_s is None  # no step measured yet: no bound in seconds
 
 
+def test_riders_are_sized_by_the_riding_steps_own_cost():
+    """Once every step carries a rider, the plain steps' average goes stale (40 ms timed with few rows,
+    150 ms now): riders are sized by a fit of every step's seconds to the rider tokens it carried,
+    its own part a and b a carried token, so the gap bounds the whole riding step. Before a rider
+    is timed, a rider is sized as a forward of its own."""
+    adm = Admission(ctx=None, max_gap_s=0.5)
+    for n in (16, 64, 256, 1024):
+        adm.cost.observe(n, 0.03 + 0.001 * n)  # a forward of its own: 30 ms and 1 ms a token
+    adm.observe_step(0.04)
+    assert (
+        adm.chunk(running=8, idle=8, rides=True) == adm.chunk(running=8, idle=8) == 430
+    )  # (0.5 - 0.04 - 0.03) / 0.001
+    for n in (300, 100, 200, 400, 250, 150, 350) * 2:  # the batch grew: a 150 ms step, 0.5 ms a carried token
+        adm.observe_step(0.15 + 0.0005 * n, n)
+    assert adm.step_s == 0.04 and abs(adm.step - 0.15) < 3e-3  # the plain average is stale, the fit is not
+    assert abs(adm.chunk(running=8, idle=8, rides=True) - 700) <= 6  # (0.5 - 0.15) / 0.0005
+    assert abs(adm.chunk(running=8, idle=8) - 320) <= 3  # a forward of its own: (0.5 - 0.15 - 0.03) / 0.001
+    assert adm.chunk(running=8, idle=0, rides=True) <= 700  # the share bounds it too
+
+
+def test_a_riding_group_is_bounded_by_its_padded_tokens(tiny64, monkeypatch):
+    """Whole prompts riding the step go as one padded batch: a group of a 20- and a 61-token prompt
+    costs 2 x 61 tokens, more than the 90 the gap leaves, so they ride apart (by their prompt tokens,
+    81, they would have gone together). The output is the reference's."""
+    monkeypatch.setattr(admission, "carries", lambda target: True)  # an eager step: riders are fed in `settle`
+    monkeypatch.setattr(Admission, "ride_prompts", True)
+    dec = SpecDecoder(tiny64, method="ragged", k=3)
+    ctx = Context.of(tiny64, dec.proposer, 3, None)
+    loop = Loop(ctx, RaggedBatch(ctx.models(), 8, 2048, ctx.k, ctx.pad_id, ctx.device), max_gap_s=0.1)
+    adm = loop.admission
+    adm.cost.a, adm.cost.b, adm.step_s, adm.share = 0.0, 0.001, 0.01, 100.0  # 90 tokens fit beside a step
+    adm.cost.observe = adm.observe_step = lambda *args: None
+    shapes = []
+    ride = adm._ride
+    monkeypatch.setattr(
+        adm, "_ride", lambda part, n, *a, **kw: (shapes.append((len(part), n)), ride(part, n, *a, **kw))
+    )
+    prompts = [random_prompts(3, 1, 10, 11)[0], random_prompts(4, 1, 20, 21)[0], random_prompts(5, 1, 60, 61)[0]]
+    seqs = dec.make_sequences(prompts, SamplingParams(max_new_tokens=12))
+    lengths = [len(seq) for seq in seqs]
+    loop.add(seqs[0])
+    loop.iterate()  # the first row runs
+    loop.add(seqs[1])
+    loop.add(seqs[2])
+    loop.run()
+    assert shapes == [(1, lengths[1]), (1, lengths[2])] and lengths[1:] == [20, 61]
+    assert [s.generated for s in seqs] == reference_tokens(tiny64, prompts, 12)
+
+
 def _burst(pair, max_gap_s, fitted_b=0.001, forwards=None, gap_steps=None, fitted_a=0.0, loops=None):
     """One running row, then six prompts of 100 tokens at once; the prompt tokens each iteration
     prefilled while the running row was waiting for its step (a fixed cost model: `fitted_b`

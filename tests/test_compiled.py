@@ -248,6 +248,9 @@ def test_a_prompt_admitted_while_rows_run_rides_whole(compiled64, monkeypatch):
     timed = []
     observe = speculation.Adaptive.observe
     monkeypatch.setattr(speculation.Adaptive, "observe", lambda self, *a: (timed.append(a[5]), observe(self, *a))[1])
+    ridden = []  # admission times every step, with the rider tokens it carried
+    observe_step = Admission.observe_step
+    monkeypatch.setattr(Admission, "observe_step", lambda self, s, n=0: (ridden.append(n), observe_step(self, s, n))[1])
     prompts = random_prompts(31, 8, 40, 90)
     lengths = [6, 14, 9, 20, 11, 16, 7, 12]
     want = [reference_tokens(compiled64, [p], n)[0] for p, n in zip(prompts, lengths)]
@@ -256,3 +259,4 @@ def test_a_prompt_admitted_while_rows_run_rides_whole(compiled64, monkeypatch):
     extra = dec.stats.extra
     assert extra["prefill_chunks"] == 0 and extra["prefill_ends_carried"] >= 4
     assert timed.count(None) == extra["prefill_ends_carried"] and all(t > 0 for t in timed if t is not None)
+    assert len(ridden) == len(timed) and [n > 0 for n in ridden] == [t is None for t in timed]

@@ -42,9 +42,13 @@ admitted while rows run ride in the step's own forward: a long prompt's chunks, 
 a group of whole prompts (one padded batch). Their tokens are computed in the same pass as the
 running rows', into their own caches, so they cost their tokens' share of a forward and not a
 forward's fixed part of their own; a prompt's last chunk gives its first token from the step's
-hidden state (its LM head, in `settle`), and its row joins the batch after the step. A step that
-carried prompt tokens is not timed, here or by the speculation policy (its share of the forward is
-no step's cost: estimated from the prefill fit, it once came out negative). A forward that does
+hidden state (its LM head, in `settle`), and its row joins the batch after the step. Riders are
+sized by what the steps that carried them took: every step is timed with the rider tokens it
+carried (padding included), and a fit of the one to the other (`riding`, as `PrefillCost`) gives a
+step's own part and a carried token's, so the gap bounds the whole riding step. The plain steps'
+average alone went stale while every step carried a rider (41 ms against 400-500 ms steps: riders
+of 2 x 364 padded tokens overran a 0.5 s gap to 1.16 s). The speculation policy does not time a
+step that carried prompt tokens (its share of the forward is no step's cost). A forward that does
 not carry them (a draft tree's verify, one the compiled graph does not serve) leaves them to
 `settle`, which feeds them alone after the step. Other roles (a draft model fed at admission) are
 fed in `settle`, after the target's (a draft head reads its features).
@@ -85,6 +89,8 @@ SHARE = 4.0
 GROUP_TOKENS = 256
 #: Weight of one timed prefill in the cost fit's sums (a memory of about 1 / PREFILL_RATE).
 PREFILL_RATE = 0.1
+#: The same for the riding steps' fit: a step's cost follows the rows running, which come and go.
+STEP_RATE = 0.3
 #: The fit separates a from b only once the sizes timed spread by this much (their standard
 #: deviation over their mean); before, the cost is all per token.
 SPREAD = 0.25
@@ -94,14 +100,15 @@ class PrefillCost:
     """Seconds of a prefill forward of n tokens, a + b n (a, b >= 0), fitted by least squares to
     exponentially weighted observations."""
 
-    def __init__(self):
+    def __init__(self, rate: float = PREFILL_RATE):
+        self.rate = rate  # the weight of the latest observation in the sums
         self.sums = [0.0] * 5  # weighted 1, n, n^2, t, n t
         self.a, self.b = 0.0, None  # b None: nothing timed yet
 
     def observe(self, tokens: int, seconds: float) -> None:
         n = float(max(tokens, 1))
         point = (1.0, n, n * n, seconds, n * seconds)
-        self.sums = [(1 - PREFILL_RATE) * s + x for s, x in zip(self.sums, point)]
+        self.sums = [(1 - self.rate) * s + x for s, x in zip(self.sums, point)]
         w, sn, snn, st, snt = self.sums
         det = w * snn - sn * sn  # w^2 x the weighted variance of n
         b = (w * snt - sn * st) / det if det > (SPREAD * sn) ** 2 else 0.0
@@ -148,8 +155,12 @@ class Admission:
         self.max_gap_s, self.gap_steps = max_gap_s, gap_steps
         self.waiting: deque[Sequence] = deque()
         self.partial: PaddedBatch | None = None  # one row, fed chunk by chunk
-        self.step_s: float | None = None  # decode step seconds (exponential average)
+        self.step_s: float | None = None  # seconds of a step that carried no rider (exponential average)
         self.cost = PrefillCost()  # prefill seconds by tokens per forward
+        #: Seconds of a step by the rider tokens it carried (padding included; 0 for a plain step):
+        #: a, the step's own part, and b a carried token's, fitted to every step timed.
+        self.riding = PrefillCost(STEP_RATE)
+        self.rides_timed = 0  # steps timed that carried a rider
         self.progress = None  # called after each prefill forward (the online engine's heartbeat)
         self.chunks = 0  # prefill chunks that stopped short of a prompt's end
         self.rider: Rider | None = None  # this iteration's chunk for the step to carry, until `settle`
@@ -184,21 +195,36 @@ class Admission:
             batch.unreserve(self.partial.seqs)
             self.partial = None
 
-    def chunk(self, running: int = 1, idle: int = 0) -> int | None:
+    def chunk(self, running: int = 1, idle: int = 0, rides: bool = False) -> int | None:
         """Prompt tokens one iteration may prefill while `running` rows decode and `idle` free
-        rows have a prompt waiting for them (None: every waiting prompt that fits)."""
+        rows have a prompt waiting for them (None: every waiting prompt that fits). `rides`: they
+        ride the step's forward (sized by the riding steps' fit once one is timed)."""
         if self.fixed_chunk is not None:
             return self.fixed_chunk
-        if self.step_s is None or self.cost.b is None:
+        step = self.step
+        if step is None or self.cost.b is None:
             return None if idle >= running and not self.gapped else self.first_chunk
+        tokens_for = self._ride_tokens if rides and self.rides_timed else self.cost.tokens_for
         by_share = None
         if idle < running:
             share = self.share * (running + idle) / max(running, 1)
-            by_share = max(MIN_CHUNK, self.cost.tokens_for(share * self.step_s))
+            by_share = max(MIN_CHUNK, tokens_for(share * step))
         if self.gap_s is None:
             return by_share
-        by_gap = max(MIN_CHUNK, self.cost.tokens_for(self.gap_s - self.step_s))  # the step runs too
+        by_gap = max(MIN_CHUNK, tokens_for(self.gap_s - step))  # the step runs too
         return by_gap if by_share is None else min(by_share, by_gap)
+
+    def _ride_tokens(self, seconds: float) -> int:
+        """Rider tokens that add `seconds` to a step, at the riding fit's cost per token (no fixed
+        part: the step pays it)."""
+        return round(max(seconds, 0.0) / max(self.riding.b, 1e-12))
+
+    @property
+    def step(self) -> float | None:
+        """A decode step's seconds without a rider: the riding fit's own part once it separates
+        it from the riders' (it follows the batch while every step carries one), else the plain
+        steps' average (None: none timed)."""
+        return self.riding.a if self.riding.a > 0 else self.step_s
 
     @property
     def gapped(self) -> bool:
@@ -212,12 +238,17 @@ class Admission:
         steps and no step measured yet)."""
         bounds = [
             self.max_gap_s,
-            None if self.gap_steps is None or self.step_s is None else self.gap_steps * self.step_s,
+            None if self.gap_steps is None or self.step is None else self.gap_steps * self.step,
         ]
         return min((b for b in bounds if b is not None), default=None)
 
-    def observe_step(self, seconds: float) -> None:
-        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+    def observe_step(self, seconds: float, ridden: int = 0) -> None:
+        """A step took `seconds` and carried `ridden` rider tokens (padding included)."""
+        self.riding.observe(ridden, seconds)
+        if ridden:
+            self.rides_timed += 1
+        else:
+            self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
 
     def _observe_prefill(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
@@ -233,7 +264,8 @@ class Admission:
         limit, self.waited = None, None
         if len(batch):
             idle = min(batch.free, len(self.waiting)) + (self.partial is not None)
-            limit = self.chunk(len(batch), idle)
+            rides = self._carries(batch) and (self.partial is not None or self.ride_prompts)
+            limit = self.chunk(len(batch), idle, rides)
             limit = limit if self.fixed_chunk is not None else tp.agree(limit)
             self.waited = 0.0
         spent, finished = 0, []
@@ -262,13 +294,13 @@ class Admission:
             while self.waiting and batch.fits(self.waiting[0], extra=group):
                 if size >= GROUP_TOKENS:
                     break  # a full forward: its first tokens go out before the next group's prefill
-                if room is not None and size + len(self.waiting[0]) > room:
-                    break
+                if room is not None and _tokens([*group, self.waiting[0]], rides) > room:
+                    break  # riding, a group costs its padded tokens (2 x 364 for 200 + 364)
                 if self.prefixes is not None and would_reuse(self.waiting[0], group):
                     break  # it starts from this group's entries, once they are stored (n > 1, a system prompt)
                 group.append(self.waiting.popleft())
                 size += len(group[-1])
-            spent += size
+            spent += _tokens(group, rides)
             if rides:  # the group rides the step's forward
                 self.partial = self._open(batch, sorted(group, key=len))
                 self._feed(batch, room)
@@ -279,7 +311,11 @@ class Admission:
 
     def _rides(self, batch) -> bool:
         """Whether prompts admitted now would ride the step's forward whole (rows run)."""
-        return self.ride_prompts and self.carry and self.carry_ends and len(batch) > 0 and carries(self.ctx.target)
+        return self.ride_prompts and self.carry_ends and self._carries(batch)
+
+    def _carries(self, batch) -> bool:
+        """Whether the step's forward can carry a rider now (rows run, the target is compiled)."""
+        return self.carry and len(batch) > 0 and carries(self.ctx.target)
 
     def _bounded(self, batch, limit: int | None, spent: int) -> int | None:
         """The iteration's limit after a forward, once rows run and a gap is set. An unbounded wave
@@ -298,7 +334,7 @@ class Admission:
             return spent + tp.agree(self.chunk(len(batch), idle))
         if self.gap_s is None:  # a gap in steps only, and no step measured yet
             return limit
-        left = self.gap_s - (self.step_s or 0.0) - self.waited
+        left = self.gap_s - (self.step or 0.0) - self.waited
         timed = spent + (self.cost.tokens_for(left) if left > 0 and self.cost.b is not None else 0)
         return tp.agree(timed if limit is None else min(limit, timed))
 
@@ -361,10 +397,10 @@ class Admission:
         """Feed the partial prompt one chunk (every role), or finish its prefill and move it in."""
         part = self.partial
         left = part.width - part.cache_width("target")
-        # Sized as a forward of its own even where carried: sized without the fixed part (a / b
-        # tokens more) it gave 1.00-1.18x the throughput but 1.3-1.9x the ITL p99 at 8 clients
-        # under --max-itl-steps 2.5 (the fit's a is too loose a guide; docs/serving.md).
-        carried = self.carry and len(batch) and carries(self.ctx.target)
+        # Until a riding step is timed, sized as a forward of its own: sized from the prefill fit
+        # without its fixed part (a / b tokens more) it gave 1.00-1.18x the throughput but 1.3-1.9x
+        # the ITL p99 at 8 clients under --max-itl-steps 2.5 (docs/serving.md); then by `riding`.
+        carried = self._carries(batch)
         roles = _roles(self.ctx, batch)
         if limit is not None and left > limit:
             self.chunks += 1
@@ -439,3 +475,8 @@ def _roles(ctx: Context, batch) -> list[str]:
     """Roles a prompt is fed to at admission: a lazy policy's proposer cache is fed later, by the
     batch (`warm`), if it can."""
     return ctx.admitted_roles() if batch.warms else list(ctx.models())
+
+
+def _tokens(group: list[Sequence], padded: bool) -> int:
+    """A group's prompt tokens, or its padded batch's (rows x the longest) where `padded`."""
+    return len(group) * max(map(len, group)) if padded else sum(map(len, group))

@@ -67,8 +67,8 @@ class Loop:
             rider = self.admission.rider  # a prompt chunk the step's forward may carry
             start = time.perf_counter()
             done += decode_step(self.ctx, self.batch, rider)
-            if not carried(rider):  # a step that carried a chunk is no step's measure
-                self.admission.observe_step(time.perf_counter() - start)
+            ridden = rider.ids.numel() if carried(rider) else 0  # the rider's padded tokens, if carried
+            self.admission.observe_step(time.perf_counter() - start, ridden)
         done += self.admission.settle(self.batch)
         return done
 
