@@ -124,8 +124,8 @@ def test_a_longest_gap_bounds_every_chunk_idle_rows_or_not():
 def test_riders_are_sized_by_the_riding_steps_own_cost():
     """Once every step carries a rider, the plain steps' average goes stale (40 ms timed with few rows,
     150 ms now): riders are sized by a fit of every step's seconds to the rider tokens it carried,
-    its own part a and b a carried token, so the gap bounds the whole riding step. Before a rider
-    is timed, a rider is sized as a forward of its own."""
+    its own part a and b a carried token, so the gap bounds the whole riding step, with a margin of
+    twice the fit's RMS error. Before a rider is timed, a rider is sized as a forward of its own."""
     adm = Admission(ctx=None, max_gap_s=0.5)
     for n in (16, 64, 256, 1024):
         adm.cost.observe(n, 0.03 + 0.001 * n)  # a forward of its own: 30 ms and 1 ms a token
@@ -134,9 +134,15 @@ def test_riders_are_sized_by_the_riding_steps_own_cost():
         adm.chunk(running=8, idle=8, rides=True) == adm.chunk(running=8, idle=8) == 430
     )  # (0.5 - 0.04 - 0.03) / 0.001
     for n in (300, 100, 200, 400, 250, 150, 350) * 2:  # the batch grew: a 150 ms step, 0.5 ms a carried token
+        if adm.rides_timed < admission.FIT_RIDES:  # a few riders timed: still sized as a forward of their own
+            assert adm.chunk(running=8, idle=8, rides=True) == adm.chunk(running=8, idle=8)
         adm.observe_step(0.15 + 0.0005 * n, n)
     assert adm.step_s == 0.04 and abs(adm.step - 0.15) < 3e-3  # the plain average is stale, the fit is not
+    assert 0 < adm.ride_error < 0.01**2  # the fit's misses, shrinking as it converges
+    adm.ride_error = 0.0  # predicted exactly: the gap's room at b a token
     assert abs(adm.chunk(running=8, idle=8, rides=True) - 700) <= 6  # (0.5 - 0.15) / 0.0005
+    adm.ride_error = 0.05**2  # predictions off by 50 ms: a margin of two such errors
+    assert abs(adm.chunk(running=8, idle=8, rides=True) - 500) <= 6  # (0.5 - 0.15 - 0.1) / 0.0005
     assert abs(adm.chunk(running=8, idle=8) - 320) <= 3  # a forward of its own: (0.5 - 0.15 - 0.03) / 0.001
     assert adm.chunk(running=8, idle=0, rides=True) <= 700  # the share bounds it too
 

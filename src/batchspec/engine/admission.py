@@ -91,6 +91,12 @@ GROUP_TOKENS = 256
 PREFILL_RATE = 0.1
 #: The same for the riding steps' fit: a step's cost follows the rows running, which come and go.
 STEP_RATE = 0.3
+#: Riding steps timed before riders are sized by their fit (one or two gave a 639-token rider and a
+#: 1.05 s step against a 0.5 s gap); until then, as a forward of their own.
+FIT_RIDES = 4
+#: Riders are sized so the riding step, as predicted plus this many times the prediction's RMS error,
+#: fits the gap.
+MARGIN = 2.0
 #: The fit separates a from b only once the sizes timed spread by this much (their standard
 #: deviation over their mean); before, the cost is all per token.
 SPREAD = 0.25
@@ -161,6 +167,7 @@ class Admission:
         #: a, the step's own part, and b a carried token's, fitted to every step timed.
         self.riding = PrefillCost(STEP_RATE)
         self.rides_timed = 0  # steps timed that carried a rider
+        self.ride_error = 0.0  # the riding fit's mean squared error predicting a riding step (seconds^2)
         self.progress = None  # called after each prefill forward (the online engine's heartbeat)
         self.chunks = 0  # prefill chunks that stopped short of a prompt's end
         self.rider: Rider | None = None  # this iteration's chunk for the step to carry, until `settle`
@@ -204,7 +211,7 @@ class Admission:
         step = self.step
         if step is None or self.cost.b is None:
             return None if idle >= running and not self.gapped else self.first_chunk
-        tokens_for = self._ride_tokens if rides and self.rides_timed else self.cost.tokens_for
+        tokens_for = self._ride_tokens if rides and self.rides_timed >= FIT_RIDES else self.cost.tokens_for
         by_share = None
         if idle < running:
             share = self.share * (running + idle) / max(running, 1)
@@ -216,7 +223,9 @@ class Admission:
 
     def _ride_tokens(self, seconds: float) -> int:
         """Rider tokens that add `seconds` to a step, at the riding fit's cost per token (no fixed
-        part: the step pays it)."""
+        part: the step pays it), less MARGIN x the fit's RMS error predicting a riding step (a
+        step's cost varies with k and the rows; the gap is a bound, not a mean)."""
+        seconds -= MARGIN * self.ride_error**0.5
         return round(max(seconds, 0.0) / max(self.riding.b, 1e-12))
 
     @property
@@ -244,10 +253,13 @@ class Admission:
 
     def observe_step(self, seconds: float, ridden: int = 0) -> None:
         """A step took `seconds` and carried `ridden` rider tokens (padding included)."""
-        self.riding.observe(ridden, seconds)
         if ridden:
+            if self.rides_timed:
+                miss = seconds - (self.riding.a + self.riding.b * ridden)
+                self.ride_error = (1 - STEP_RATE) * self.ride_error + STEP_RATE * miss * miss
             self.rides_timed += 1
-        else:
+        self.riding.observe(ridden, seconds)
+        if not ridden:
             self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
 
     def _observe_prefill(self, tokens: int, seconds: float) -> None:
