@@ -47,8 +47,10 @@ sized by what the steps that carried them took: every step is timed with the rid
 carried (padding included), and a fit of the one to the other (`riding`, as `PrefillCost`) gives a
 step's own part and a carried token's, so the gap bounds the whole riding step. The plain steps'
 average alone went stale while every step carried a rider (41 ms against 400-500 ms steps: riders
-of 2 x 364 padded tokens overran a 0.5 s gap to 1.16 s). The speculation policy does not time a
-step that carried prompt tokens (its share of the forward is no step's cost). A forward that does
+of 2 x 364 padded tokens overran a 0.5 s gap to 1.16 s). The speculation policy times a step that
+carried prompt tokens less the rider's share at the fit's cost per token (`Rider.cost_s`), once the
+fit is trusted, and not at all before (estimated from the prefill fit, whose b once came from a
+first forward's one-time costs, a 526 ms step came out at -0.30 s). A forward that does
 not carry them (a draft tree's verify, one the compiled graph does not serve) leaves them to
 `settle`, which feeds them alone after the step. Other roles (a draft model fed at admission) are
 fed in `settle`, after the target's (a draft head reads its features).
@@ -434,7 +436,11 @@ class Admission:
     def _ride(self, part: PaddedBatch, n: int, roles: list[str], completes: bool) -> None:
         """Hand `part`'s next n target tokens to the step as its rider; its other roles are fed in
         `settle`, once the target's are (a draft head reads their features)."""
-        self.rider = Rider(part.pending("target")[:, :n], part.inputs("target", n), completes=completes)
+        ids = part.pending("target")[:, :n]
+        cost_s = (
+            self.riding.b * ids.numel() if self.rides_timed >= FIT_RIDES else None
+        )  # the policy's step time less it
+        self.rider = Rider(ids, part.inputs("target", n), completes=completes, cost_s=cost_s)
         self._after = [role for role in roles if role != "target"]
 
     def _prefill_group(self, batch, group: list[Sequence]) -> list[Sequence]:

@@ -149,7 +149,8 @@ def feed(ctx: Context, batch: Layout, role: str, ids: torch.Tensor) -> torch.Ten
 def decode_step(ctx: Context, batch: Layout, rider: Rider | None = None) -> list[Sequence]:
     """One speculative (or plain) step for every row: plan -> propose -> verify -> accept ->
     commit -> realign; the policy chooses how many drafts to ask for and to verify. `rider`: a
-    prompt chunk the verify may carry (admission.py); a step that carried one is not timed."""
+    prompt chunk the verify may carry (admission.py); a step that carried one is timed less its
+    estimated share, or not at all."""
     stats, policy, seqs, span = ctx.stats, ctx.speculation, list(batch.seqs), batch.attended_span()
     params = RowParams.of([s.params for s in seqs], ctx.device)
     k, started = _plan(ctx, batch)
@@ -182,10 +183,18 @@ def decode_step(ctx: Context, batch: Layout, rider: Rider | None = None) -> list
         ctx.observe(seqs)
     with stats.stage("realign"):
         finished = batch.realign()
-    step_s = None if carried(rider) else timed(ctx.device) - step_start
+    step_s = _step_seconds(timed(ctx.device) - step_start, rider)
     policy.observe(seqs, learned, verified.width, accepted, step_start - started, step_s, span)
     _after(ctx, batch, finished)
     return finished
+
+
+def _step_seconds(seconds: float, rider: Rider | None) -> float | None:
+    """The verify's seconds as the policy learns them: less a carried rider's estimated share (None:
+    not timed, a rider carried without an estimate or costing more than the whole)."""
+    if not carried(rider):
+        return seconds
+    return seconds - rider.cost_s if rider.cost_s is not None and seconds > rider.cost_s else None
 
 
 def _plan(ctx: Context, batch: Layout) -> tuple[int, float]:

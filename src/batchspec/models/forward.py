@@ -27,6 +27,7 @@ class Rider:
     ids: torch.Tensor
     inputs: dict
     completes: bool = False  # the chunk ends its prompt: the owner picks the first token from `hidden`
+    cost_s: float | None = None  # the owner's estimate of its share of a forward (None: none yet)
     fed: bool = False
     hidden: torch.Tensor | None = None
     layers: list | None = None

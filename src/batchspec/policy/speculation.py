@@ -110,7 +110,7 @@ class Speculation(Protocol):
 
     def observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span) -> None:
         """The step's outcome: accepted drafts per row [B], seconds spent proposing and stepping
-        (`step_s` None: not timed, its forward carried a prompt's chunk)."""
+        (`step_s` None: not timed, its forward carried a prompt's chunk of no estimated share)."""
         ...
 
     def describe(self) -> dict | None:
