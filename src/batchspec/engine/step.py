@@ -149,8 +149,7 @@ def feed(ctx: Context, batch: Layout, role: str, ids: torch.Tensor) -> torch.Ten
 def decode_step(ctx: Context, batch: Layout, rider: Rider | None = None) -> list[Sequence]:
     """One speculative (or plain) step for every row: plan -> propose -> verify -> accept ->
     commit -> realign; the policy chooses how many drafts to ask for and to verify. `rider`: a
-    prompt chunk the verify may carry (admission.py); a step that carried one is timed less its
-    estimated share, or not at all."""
+    prompt chunk the verify may carry (admission.py; the policy learns the step less its share)."""
     stats, policy, seqs, span = ctx.stats, ctx.speculation, list(batch.seqs), batch.attended_span()
     params = RowParams.of([s.params for s in seqs], ctx.device)
     k, started = _plan(ctx, batch)
