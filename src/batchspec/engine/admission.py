@@ -142,8 +142,9 @@ class Admission:
     #: a forward of its own, with its first token, as before).
     carry_ends = True
     #: Whether prompts admitted while rows run ride the step as a group (False: prefilled in a forward
-    #: of their own, as before). Off: in two A/Bs it cut the ITL p99 at 16 clients by 20-30% at the same
-    #: throughput, but an aiperf sweep saw one 4.1 s longest gap not yet explained (docs/serving.md).
+    #: of their own, as before). Off: with riders sized by their own steps it gave the same throughput
+    #: and longest gaps but a TTFT p50 of 3.8-4.1 s at 16 clients against 1.0-1.7 (one group rides an
+    #: iteration, where forwards of their own admit several; docs/serving.md).
     ride_prompts = False
 
     def __init__(
@@ -213,7 +214,7 @@ class Admission:
         step = self.step
         if step is None or self.cost.b is None:
             return None if idle >= running and not self.gapped else self.first_chunk
-        tokens_for = self._ride_tokens if rides and self.rides_timed >= FIT_RIDES else self.cost.tokens_for
+        tokens_for = self._ride_tokens if rides and self.fitted else self.cost.tokens_for
         by_share = None
         if idle < running:
             share = self.share * (running + idle) / max(running, 1)
@@ -229,6 +230,11 @@ class Admission:
         step's cost varies with k and the rows; the gap is a bound, not a mean)."""
         seconds -= MARGIN * self.ride_error**0.5
         return round(max(seconds, 0.0) / max(self.riding.b, 1e-12))
+
+    @property
+    def fitted(self) -> bool:
+        """Whether the riding fit is trusted to size riders and estimate their share (FIT_RIDES)."""
+        return self.rides_timed >= FIT_RIDES
 
     @property
     def step(self) -> float | None:
@@ -255,14 +261,13 @@ class Admission:
 
     def observe_step(self, seconds: float, ridden: int = 0) -> None:
         """A step took `seconds` and carried `ridden` rider tokens (padding included)."""
-        if ridden:
-            if self.rides_timed:
-                miss = seconds - (self.riding.a + self.riding.b * ridden)
-                self.ride_error = (1 - STEP_RATE) * self.ride_error + STEP_RATE * miss * miss
-            self.rides_timed += 1
-        self.riding.observe(ridden, seconds)
         if not ridden:
             self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+        elif self.rides_timed:  # the fit's miss, before it learns from this step
+            miss = seconds - (self.riding.a + self.riding.b * ridden)
+            self.ride_error = (1 - STEP_RATE) * self.ride_error + STEP_RATE * miss * miss
+        self.rides_timed += ridden > 0
+        self.riding.observe(ridden, seconds)
 
     def _observe_prefill(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
@@ -411,7 +416,7 @@ class Admission:
         """Feed the partial prompt one chunk (every role), or finish its prefill and move it in."""
         part = self.partial
         left = part.width - part.cache_width("target")
-        # Until a riding step is timed, sized as a forward of its own: sized from the prefill fit
+        # Until FIT_RIDES riding steps are timed, sized as a forward of its own: sized from the prefill fit
         # without its fixed part (a / b tokens more) it gave 1.00-1.18x the throughput but 1.3-1.9x
         # the ITL p99 at 8 clients under --max-itl-steps 2.5 (docs/serving.md); then by `riding`.
         carried = self._carries(batch)
@@ -437,9 +442,7 @@ class Admission:
         """Hand `part`'s next n target tokens to the step as its rider; its other roles are fed in
         `settle`, once the target's are (a draft head reads their features)."""
         ids = part.pending("target")[:, :n]
-        cost_s = (
-            self.riding.b * ids.numel() if self.rides_timed >= FIT_RIDES else None
-        )  # the policy's step time less it
+        cost_s = self.riding.b * ids.numel() if self.fitted else None  # the policy learns the step less it
         self.rider = Rider(ids, part.inputs("target", n), completes=completes, cost_s=cost_s)
         self._after = [role for role in roles if role != "target"]
 
