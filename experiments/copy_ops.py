@@ -1,5 +1,5 @@
 """Per-call times of the small tensor operations a step runs besides the model's matmuls, in the
-forms the engine uses against the plain ones: the ragged layout's slot writes (`slots._write`: a
+forms the engine uses against the plain ones: the ragged layout's slot writes (`slots.write`: a
 scatter through integers of the same width, against a float scatter) and greedy picks
 (`sampling.greedy`: argmax in float32, against argmax in the logits' own dtype).
 
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from batchspec.cache.slots import _write
+from batchspec.cache.slots import write
 from batchspec.core.sampling import greedy
 
 WRITES = [(1, 1), (1, 5), (4, 3), (8, 5), (16, 2)]  # (rows, new entries per row) into 512 slots
@@ -39,17 +39,17 @@ def per_call_us(fn, calls: int = 200, rounds: int = 5) -> float:
 
 
 def slot_writes(dtype: torch.dtype, rows: int, q: int, calls: int) -> tuple[float, float]:
-    """(float scatter, slots._write) into a SmolLM2 layer's slab [rows, 3, 512, 64]."""
+    """(float scatter, slots.write) into a SmolLM2 layer's slab [rows, 3, 512, 64]."""
     slab = torch.zeros(rows, 3, 512, 64, dtype=dtype)
     new = torch.randn(rows, 3, q, 64).to(dtype)
     starts = torch.randint(0, 512 - q, (rows,))
     index = (starts[:, None] + torch.arange(q))[:, None, :, None].expand(-1, 3, -1, 64)
     plain, mine = slab.clone(), slab.clone()
     plain.scatter_(2, index, new)
-    _write(mine, index, new)
+    write(mine, index, new)
     assert torch.equal(plain, mine)
     plain_us = per_call_us(lambda: slab.scatter_(2, index, new), calls)
-    return plain_us, per_call_us(lambda: _write(slab, index, new), calls)
+    return plain_us, per_call_us(lambda: write(slab, index, new), calls)
 
 
 def greedy_picks(dtype: torch.dtype, rows: int, q: int, calls: int) -> tuple[float, float]:

@@ -11,6 +11,7 @@ import torch
 from helpers import decode, random_prompts, reference_tokens, run_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from batchspec import SamplingParams, SpecDecoder
@@ -59,6 +60,71 @@ def test_attention_equals_transformers_sdpa(seed, batch, q, groups, parts):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     got, _ = attention.attention(module, query, keys, values, mask, scaling=0.3, output_attentions=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # transformers' function on the parts made dense
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    batch=st.integers(1, 5),
+    q=st.integers(1, 4),
+    groups=st.sampled_from([1, 2, 3]),
+    long=st.booleans(),
+)
+def test_planned_attention_is_the_caches_update_then_attention(seed, batch, q, groups, long):
+    """`Planned` (one forward's attention planned once for its layers) writes the same slab entries
+    and returns the same bits as the cache's `update` followed by `attention`, layer by layer: one
+    size class in order or several (rows long enough for the 512-slot class), one row's one query
+    (the unmasked kernel), grouped heads or not."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, dim, layers = 2, 8, 2
+    config = LlamaConfig(
+        hidden_size=kv_heads * groups * dim,
+        num_attention_heads=kv_heads * groups,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=layers,
+    )
+    config._attn_implementation = attention.NAME
+    ends = torch.randint(q, 600 if long else 200, (batch,), generator=gen)
+    positions = ends[:, None] - q + torch.arange(q)[None, :]  # [B, q]
+    caches = [slots.SlotCache(config, torch.float32, "cpu", batch) for _ in range(2)]
+    for cache in caches:
+        cache.prepare(batch, positions)
+    for layer_a, layer_b in zip(*(c.layers for c in caches)):
+        for slabs_a, slabs_b in ((layer_a.keys, layer_b.keys), (layer_a.values, layer_b.values)):
+            for c, slab in slabs_a.items():
+                slab.copy_(torch.randn(slab.shape, generator=gen))
+                slabs_b[c].copy_(slab)
+    span = int(ends.max())
+    mask = (torch.arange(span)[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, q, span]
+    planned = attention.plan(caches[0], mask, config)
+    assert planned is not None
+    module = Heads(groups)
+    for layer in range(layers):
+        query = torch.randn(batch, kv_heads * groups, q, dim, generator=gen)
+        key, value = (torch.randn(batch, kv_heads, q, dim, generator=gen) for _ in range(2))
+        got = planned(query, key, value, layer, 0.3)
+        keys, values = caches[1].update(key, value, layer)
+        want, _ = attention.attention(module, query, keys, values, mask, scaling=0.3)
+        assert torch.equal(got, want)
+    for layer_a, layer_b in zip(*(c.layers for c in caches)):
+        for slabs_a, slabs_b in ((layer_a.keys, layer_b.keys), (layer_a.values, layer_b.values)):
+            assert all(torch.equal(slab, slabs_b[c]) for c, slab in slabs_a.items())
+
+
+def test_no_plan_where_attention_is_not_batchspecs(tiny64):
+    """A cache other than the ragged slots, a per-head mask or another attention function: the
+    layers call the attention function as before."""
+    config = tiny64.target.config
+    cache = slots.SlotCache(config, torch.float32, "cpu", 1)
+    cache.prepare(1, torch.tensor([[4]]))
+    mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)
+    assert attention.plan(cache, mask, config) is not None
+    assert attention.plan(None, mask, config) is None
+    assert attention.plan(cache, mask.expand(1, 4, 1, 5), config) is None
+    assert attention.plan(cache, None, config) is None
+    other = type(config)(**config.to_dict())
+    other._attn_implementation = "sdpa"
+    assert attention.plan(cache, mask, other) is None
 
 
 def test_the_reference_decoder_runs_transformers_attention_alone(tiny64, monkeypatch):

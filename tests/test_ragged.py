@@ -135,7 +135,7 @@ def test_slot_writes_copy_every_bit(dtype):
     """The slot cache's writes (16-bit floats through an int16 view): each row's new entries land
     at its slots with their exact bits (NaN, infinities, -0.0 included), the rest untouched, and
     the values equal a float scatter's."""
-    from batchspec.cache.slots import _write
+    from batchspec.cache.slots import write
 
     gen = torch.Generator().manual_seed(0)
     slab = torch.randn(3, 2, 16, 4, generator=gen).to(dtype)
@@ -147,6 +147,6 @@ def test_slot_writes_copy_every_bit(dtype):
     for b, s in enumerate(starts):
         expected[b, :, s : s + 5] = new[b]  # a plain copy: the same bytes
     scattered = slab.clone().scatter_(2, index, new)
-    _write(slab, index, new)
+    write(slab, index, new)
     assert torch.equal(slab.view(torch.uint8), expected.view(torch.uint8))
     assert torch.allclose(slab, scattered, rtol=0, atol=0, equal_nan=True)

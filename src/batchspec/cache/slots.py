@@ -33,7 +33,7 @@ class RowParts:
         self.parts = parts
 
 
-def _write(slab: torch.Tensor, index: torch.Tensor, new: torch.Tensor) -> None:
+def write(slab: torch.Tensor, index: torch.Tensor, new: torch.Tensor) -> None:
     """slab.scatter_(2, index, new); 16-bit floats as int16, the same bits: CPU kernels scatter
     bfloat16 element by element, 4-19x slower than int16 (experiments/copy_ops.py). Entries in
     another dtype than the slab's are converted (the batch-invariant mode's float32 slabs)."""
@@ -69,7 +69,7 @@ class SlotLayer(CacheLayerMixin):
             m = index.shape[0]
             for slab, new, out in ((self.keys[c], key_states, keys), (self.values[c], value_states, values)):
                 part = slab[:m]
-                _write(part, idx, new if rows is None else new.index_select(0, rows))
+                write(part, idx, new if rows is None else new.index_select(0, rows))
                 out.append((rows, part[:, :, :span]))
         if len(keys) == 1 and keys[0][0] is None:
             return keys[0][1], values[0][1]

@@ -57,9 +57,20 @@ def _one(module, query, key, value, mask, scaling, dropout) -> torch.Tensor:
         mask = None
     if groups > 1 and mask is not None and mask.shape[1] != 1:  # per-head masks: transformers' repeated heads
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)[0]
-    if groups > 1:
-        query = query.reshape(b, key.shape[1], groups * q, dim)  # head h reads kv head h // groups
-        mask = None if mask is None else mask.repeat(1, 1, groups, 1)
+    return _packed(query, key, value, _grouped(mask, groups), scaling, dropout)
+
+
+def _grouped(mask: torch.Tensor | None, groups: int) -> torch.Tensor | None:
+    """mask [B, 1, q, L] -> [B, 1, groups * q, L]: each query row once per query head of a group."""
+    return mask if mask is None or groups == 1 else mask.repeat(1, 1, groups, 1)
+
+
+def _packed(query, key, value, mask, scaling, dropout: float = 0.0) -> torch.Tensor:
+    """query [B, H, q, D], key/value [B, H_kv, L, D], mask [B, 1, g * q, L] (`_grouped`) or None ->
+    [B, q, H, D]: a group's query heads folded into the query length (head h reads kv head h // g)."""
+    b, heads, q, dim = query.shape
+    if heads != key.shape[1]:
+        query = query.reshape(b, key.shape[1], heads // key.shape[1] * q, dim)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
     )
@@ -146,3 +157,48 @@ def dense(parts, rows: int) -> torch.Tensor:
 
 AttentionInterface.register(NAME, attention)
 AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+class Planned:
+    """The attention of one forward over a `slots.SlotCache`, planned once for all its layers:
+    each size class's rows, write index, span and mask (sliced to the class, packed for the
+    grouped heads, or None where one row's one query sees every key), so that a layer only writes
+    its entries and attends. The same operations on the same tensors as `attention` after the
+    cache's `update`, so the same numbers; what it saves is their per-layer Python (a compiled
+    forward's layers call it from the graph, `compiled.attend`)."""
+
+    def __init__(self, cache: slots.SlotCache, mask: torch.Tensor, groups: int):
+        self.cache, self.parts = cache, []
+        for c, rows, index, span in cache.plan:  # index [m, q]: the rows' write slots
+            part = mask if rows is None else mask[..., :span].index_select(0, rows)
+            if index.shape[0] == 1 and index.shape[1] == 1 and _sees_all(part):
+                part = None
+            where = index[:, None, :, None].expand(-1, cache.heads, -1, cache.dim)
+            self.parts.append((c, rows, where, span, _grouped(part, groups)))
+
+    def __call__(self, query, key, value, layer: int, scaling: float) -> torch.Tensor:
+        """query [B, H, q, D], key/value [B, H_kv, q, D] of layer `layer` -> [B, q, H, D]."""
+        slabs, out = self.cache.layers[layer], None
+        for c, rows, where, span, mask in self.parts:
+            k, v = (key, value) if rows is None else (key.index_select(0, rows), value.index_select(0, rows))
+            m = where.shape[0]
+            for slab, new in ((slabs.keys[c][:m], k), (slabs.values[c][:m], v)):
+                slots.write(slab, where, new)
+            keys, values = slabs.keys[c][:m, :, :span], slabs.values[c][:m, :, :span]
+            if rows is None:
+                return _packed(query, keys, values, mask, scaling).contiguous()
+            if out is None:
+                out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+            out.index_copy_(0, rows, _packed(query.index_select(0, rows), keys, values, mask, scaling))
+        return out
+
+
+def plan(cache, mask, config) -> Planned | None:
+    """A `Planned` attention for a forward over `cache` with `mask`, where it computes what
+    `attention` would: a ragged `SlotCache`, a mask shared by the heads, the model attending with
+    `attention`. None elsewhere (the layer then calls the attention function)."""
+    if not isinstance(cache, slots.SlotCache) or getattr(config, "_attn_implementation", None) != NAME:
+        return None
+    if mask is None or mask.dim() != 4 or mask.shape[1] != 1 or not cache.plan:
+        return None
+    return Planned(cache, mask, config.num_attention_heads // slots.kv_heads(config))

@@ -43,7 +43,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..cache import kv
-from . import lean, linears, precompiled
+from . import attention, lean, linears, precompiled
 from .invariant import NAME as INVARIANT  # the batch-invariant mode's attention, which runs eager
 from .quant import QuantLinear
 
@@ -77,12 +77,17 @@ def _(x, slot):
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int) -> torch.Tensor:
     """query [1, H, N, D], key/value [1, H_kv, N, D] of layer `layer`, the current forward's tokens
     flattened -> [1, N, H * D]: each segment's (its B x q tokens: the batch's, then a rider's) new
-    entries written to its own cache, and attention over that cache with its own mask."""
+    entries written to its own cache, and attention over that cache with its own mask (planned
+    once for the forward where it can be: attention.Planned)."""
     module, outs, start = _CURRENT["modules"][layer], [], 0
-    for cache, mask, (b, q) in _CURRENT["segments"]:
+    for cache, mask, (b, q), planned in _CURRENT["segments"]:
         part = (t[:, :, start : start + b * q] for t in (query, key, value))
         part = [t.reshape(t.shape[1], b, q, t.shape[3]).transpose(0, 1) for t in part]
-        outs.append(lean.cached_attention(module, cache, mask, *part, layer).reshape(1, b * q, -1))
+        if planned is not None:
+            out = planned(*part, layer, module.scaling)
+        else:
+            out = lean.cached_attention(module, cache, mask, *part, layer)
+        outs.append(out.reshape(1, b * q, -1))
         start += b * q
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
@@ -218,12 +223,12 @@ class CompiledDecoder:
         # A saved graph's guards hold its inputs' strides and dispatch keys: contiguous ones, made in
         # inference mode where it runs (a refused call is traced again: seconds).
         inference = torch.is_inference_mode_enabled()
-        args = [torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in zip(*(s[3] for s in segments))]
+        args = [torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in zip(*(s[4] for s in segments))]
         args = [
             t.contiguous() if t.is_inference() or not inference else t.clone(memory_format=torch.contiguous_format)
             for t in args
         ]
-        with _current([s[:3] for s in segments], self.modules, self.base):
+        with _current([s[:4] for s in segments], self.modules, self.base):
             hidden, *outputs = self.graph(args[0].shape[1])(*args)
         self.calls += 1
         n = b * q
@@ -237,8 +242,8 @@ class CompiledDecoder:
         return out
 
     def _segment(self, ids, attention_mask, position_ids, cache) -> tuple:
-        """One batch's part of a forward: (cache, 4-D mask, (rows, tokens), its flat graph inputs:
-        ids [1, n], cos and sin [1, n, D])."""
+        """One batch's part of a forward: (cache, 4-D mask, (rows, tokens), its attention planned
+        (attention.plan) or None, its flat graph inputs: ids [1, n], cos and sin [1, n, D])."""
         b, q = ids.shape
         shape = self.stack.norm.weight.new_empty(b, q, 1)  # what the mask is built for: rows, tokens, dtype
         mask = create_causal_mask(
@@ -250,7 +255,7 @@ class CompiledDecoder:
         )
         cos, sin = self.decoder.rotary_emb(shape, position_ids.expand(b, q))
         flat = [t.reshape(1, b * q, *t.shape[2:]) for t in (ids, cos, sin)]
-        return cache, mask, (b, q), flat
+        return cache, mask, (b, q), attention.plan(cache, mask, self.decoder.config), flat
 
 
 @contextlib.contextmanager
