@@ -23,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from batchspec import load_pair
+from batchspec.cache import kv, slots
 from batchspec.models import attention
 from batchspec.policy.costmodel import time_forward
 
@@ -51,8 +52,13 @@ def _timed(fn) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's distinct parameters and buffers (a tied LM head counted once)."""
+    """Bytes a one-row forward reads: the model's distinct parameters and buffers (a tied LM head
+    counted once), less an input embedding table that is not also the LM head (one row is read)."""
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    table = model.get_input_embeddings().weight
     seen, total = set(), 0
+    if head is None or head.data_ptr() != table.data_ptr():
+        seen.add(table.data_ptr())
     for t in [*model.parameters(), *model.buffers()]:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
@@ -67,6 +73,25 @@ def kinds(prof, forwards: int) -> dict[str, float]:
         kind = next((k for k, names in KINDS.items() if event.key in names), "other")
         out[kind] += event.self_cpu_time_total / 1e3 / forwards
     return {k: round(v, 2) for k, v in out.items()}
+
+
+@torch.inference_mode()
+def profiled(model, rows: int, q: int, span: int, forwards: int):
+    """A profile of `forwards` forwards as `time_forward` feeds them, the cache made before it starts."""
+    cache = slots.SlotCache(model.config, kv.entry_dtype(model), "cpu", rows)
+    positions = torch.full((rows, 1), span) + torch.arange(q)[None, :]
+    mask = (torch.arange(span + q)[None, None, :] <= positions[:, :, None])[:, None]
+    ids = torch.zeros(rows, q, dtype=torch.long)
+
+    def forward():
+        cache.prepare(rows, positions)
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+
+    forward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(forwards):
+            forward()
+    return prof
 
 
 def main() -> None:
@@ -94,10 +119,7 @@ def main() -> None:
     profiles = {}
     for name, fn in variants.items():
         attention.plan = fn
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(10):
-                time_forward(model, b, q, args.span, warmup=False)
-        profiles[name] = kinds(prof, 10)
+        profiles[name] = kinds(profiled(model, b, q, args.span, 10), 10)
     attention.plan = planned
     rate, size = bandwidth(args.stream_mb), weight_bytes(model)
     floor_ms = 1e3 * size / rate
