@@ -29,7 +29,14 @@ from batchspec.policy.costmodel import time_forward
 
 #: profiler event names -> the kind of work they are (self CPU time; the rest is "other").
 KINDS = {
-    "products": ("aten::mm", "aten::addmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm"),
+    "products": (
+        "aten::mm",
+        "aten::addmm",
+        "mkldnn::_linear_pointwise",
+        "aten::_weight_int4pack_mm_for_cpu",
+        "aten::_weight_int8pack_mm",
+    ),
+    "product calls (Python around the kernels)": ("batchspec::product",),
     "attention kernels": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::_softmax"),
     "cache writes": ("aten::scatter_",),
     "attention calls (Python around the kernels)": ("batchspec::attend",),
