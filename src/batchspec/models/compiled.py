@@ -12,7 +12,9 @@ sin) -> hidden states, in which everything but two kinds of operation is fused C
   count, so the products are called, not traced.
 - `batchspec::attend`: write the new keys and values into whatever cache the forward was given
   (ragged slots, a padded buffer, the reference's own) and attend with the model's attention
-  function and the forward's mask, so layouts, masks, trees and row spans are unchanged.
+  function and the forward's mask, so layouts, masks, trees and row spans are unchanged. Over the
+  ragged slots what is the same for every layer (the write index, each size class's mask) is
+  planned once per forward (attention.Planned): the same operations, less Python a layer.
 
 The graph sees the batch flattened to one row of N tokens ([1, N, W]): the dense math is per
 token, and only `attend` needs the rows, which it reads from the forward. So one graph serves
