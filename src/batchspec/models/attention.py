@@ -53,11 +53,16 @@ def _one(module, query, key, value, mask, scaling, dropout) -> torch.Tensor:
     """query [B, H, q, D], key/value [B, H_kv, L, D], mask [B, 1 or H, q, L] -> [B, q, H, D]."""
     b, heads, q, dim = query.shape
     groups = heads // key.shape[1]
-    if b == 1 and q == 1 and _sees_all(mask):  # one row's query seeing every key: SDPA's unmasked kernel
-        mask = None
+    mask = _needed(mask, b, q)
     if groups > 1 and mask is not None and mask.shape[1] != 1:  # per-head masks: transformers' repeated heads
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)[0]
     return _packed(query, key, value, _grouped(mask, groups), scaling, dropout)
+
+
+def _needed(mask: torch.Tensor | None, rows: int, q: int) -> torch.Tensor | None:
+    """`mask` for `rows` rows of q queries, or None where one row's one query sees every key (SDPA's
+    unmasked kernel, faster than an all-True mask)."""
+    return None if rows == 1 and q == 1 and _sees_all(mask) else mask
 
 
 def _grouped(mask: torch.Tensor | None, groups: int) -> torch.Tensor | None:
@@ -170,9 +175,7 @@ class Planned:
     def __init__(self, cache: slots.SlotCache, mask: torch.Tensor, groups: int):
         self.cache, self.parts = cache, []
         for c, rows, index, span in cache.plan:  # index [m, q]: the rows' write slots
-            part = mask if rows is None else mask[..., :span].index_select(0, rows)
-            if index.shape[0] == 1 and index.shape[1] == 1 and _sees_all(part):
-                part = None
+            part = _needed(mask if rows is None else mask[..., :span].index_select(0, rows), *index.shape)
             where = index[:, None, :, None].expand(-1, cache.heads, -1, cache.dim)
             self.parts.append((c, rows, where, span, _grouped(part, groups)))
 
