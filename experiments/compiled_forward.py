@@ -43,14 +43,14 @@ def main() -> None:
         models["lean"] = copy.deepcopy(target)
         lean.install(models["lean"])
         tune_linears(models["lean"])
-    for name in ("compiled", "frozen"):
+    for name in ("compiled", "frozen", "autotuned"):
         if name not in wanted:
             continue
         model = copy.deepcopy(target)
         started = time.perf_counter()
         lean.install(model)
         tune_linears(model)
-        compiled.install(model, freeze=name == "frozen")
+        compiled.install(model, freeze=name == "frozen", autotune=name == "autotuned")
         for shape in args.shapes.split(","):
             b, q = (int(v) for v in shape.split("x"))
             time_forward(model, b, q, args.span, repeats=1)

@@ -1,10 +1,11 @@
-"""The default pair with its target compiled (models/compiled.py) beside the same pair eager, in one
-process: `ar` and the defaults (`ragged`, `-k auto`, the pair's proposer) at each batch size, on
-the same Spec-Bench prompts, the two pairs alternating (which goes first alternates by round);
-tok/s per run, the median ratio compiled / eager, and whether both gave the same tokens.
+"""The default pair with its target compiled (models/compiled.py) beside the same pair eager (or
+two other ways of running the target: --variants), in one process: `ar` and the defaults
+(`ragged`, `-k auto`, the pair's proposer) at each batch size, on the same Spec-Bench prompts, the
+two pairs alternating (which goes first alternates by round); tok/s per run, the median ratio of
+the first variant to the second, and whether both gave the same tokens.
 
     python experiments/compiled_step.py PROMPTS.jsonl [--batch-sizes 1,8,16] [--n 16] [--max-new-tokens 64]
-        [--rounds 2] [--dtype float32] [--json out.json]
+        [--rounds 2] [--dtype float32] [--variants compiled,eager|max-autotune,compiled] [--json out.json]
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--variants", default="compiled,eager", help="two of compiled, eager, max-autotune")
     parser.add_argument("--json")
     args = parser.parse_args()
+    flags = {"compiled": True, "eager": False, "max-autotune": "max-autotune"}
+    first, second = args.variants.split(",")
     prompts = [p.text for p in read_prompts(args.prompts, limit=args.n, every=max(1, 480 // args.n))]
     pairs = {}
-    for name, flag in (("compiled", True), ("eager", False)):
+    for name, flag in ((first, flags[first]), (second, flags[second])):
         started = time.perf_counter()
         pairs[name] = load_pair(pair="default", dtype=args.dtype, compile=flag)
         print(name, "loaded in", round(time.perf_counter() - started, 1), "s", pairs[name].startup, flush=True)
@@ -52,11 +56,11 @@ def main() -> None:
                     outs = decoders[name].generate(prompts, params)
                     speed[name].append(decoders[name].stats.summary()["tokens_per_s"])
                     tokens.setdefault(name, [o.token_ids for o in outs])
-            ratios = [c / e for c, e in zip(speed["compiled"], speed["eager"])]
+            ratios = [x / y for x, y in zip(speed[first], speed[second])]
             row = {"batch_size": b, "method": method, "tok_s": speed}
             row["ratio_median"] = round(statistics.median(ratios), 3)
-            row["same_tokens"] = sum(x == y for x, y in zip(tokens["compiled"], tokens["eager"]))
-            row["mean_tokens_per_step"] = decoders["compiled"].stats.summary()["mean_tokens_per_step"]
+            row["same_tokens"] = sum(x == y for x, y in zip(tokens[first], tokens[second]))
+            row["mean_tokens_per_step"] = decoders[first].stats.summary()["mean_tokens_per_step"]
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:

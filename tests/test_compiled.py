@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 from batchspec import SamplingParams, SpecDecoder, load_pair
 from batchspec.cli import main
+from batchspec.core.errors import BatchspecError
 from batchspec.engine import admission
 from batchspec.engine.admission import Admission
 from batchspec.models import compiled, lean, precompiled
@@ -272,3 +273,27 @@ def test_a_prompt_admitted_while_rows_run_rides_whole(compiled64, monkeypatch):
     estimated = sum(1 for n in ridden if n) - timed.count(None)  # riders timed less their share
     assert timed.count(None) == 1  # the first rider: no fit to estimate its share yet
     assert estimated + 1 == extra["prefill_ends_carried"]
+
+
+def test_max_autotune_freezes_the_weights_into_tuned_kernels_and_decodes_as_the_reference():
+    from torch._dynamo.utils import counters
+
+    counters["inductor"].clear()
+    pair = load_pair("tiny", dtype="float32", compile="max-autotune")
+    assert pair.startup["forward"] == "compiled (max-autotune)"
+    assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # the products are inductor's own GEMMs
+    prompts = random_prompts(3, 5, 1, 30)
+    for method, k in (("ar", 1), ("ragged", 3), ("exspec", 2)):
+        before = _graph_calls(pair)
+        got = decode(pair, prompts, 12, method=method, batch_size=3, k=k, proposer="draft")
+        assert got == reference_tokens(pair, prompts, 12), method
+        assert _graph_calls(pair) > before
+    with torch.no_grad():
+        pair.target.get_decoder().layers[0].qkv.weight.mul_(2)  # the graph holds the weights as they were
+    with pytest.raises(BatchspecError, match="changed in place after --max-autotune froze them"):
+        decode(pair, prompts[:1], 4, method="ar", batch_size=1)
+
+
+def test_an_unknown_compile_mode_is_refused_by_name():
+    with pytest.raises(BatchspecError, match="unknown compile mode 'fast'"):
+        load_pair("tiny", compile="fast")

@@ -24,7 +24,7 @@ from .decoder import SpecDecoder
 from .distributed import tp
 from .engine.threads import BUSY_CORES, SPIN_MODES, SPIN_ROWS
 from .models import invariant
-from .models.pair import AUTO, DTYPES, PAIRS, PairSpec, target_config
+from .models.pair import AUTO, DTYPES, MAX_AUTOTUNE, PAIRS, PairSpec, target_config
 from .models.quant import QUANTS
 from .serving import access
 from .serving.config import DEFAULT_MAX_ITL_MS, DEFAULT_MAX_ITL_STEPS, ServeConfig
@@ -85,13 +85,23 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         "full); the output does not depend on it",
     )
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    g.add_argument(
+    compiling = g.add_mutually_exclusive_group()
+    compiling.add_argument(
         "--no-compile",
         dest="compile",
         action="store_false",
         default=None,
         help="run the target's decoder eager, op by op (default: one compiled graph where the model's layers "
         "allow it; the built-in tiny pairs run eager)",
+    )
+    compiling.add_argument(
+        "--max-autotune",
+        dest="compile",
+        action="store_const",
+        const=MAX_AUTOTUNE,
+        help="compile the target with its weights frozen into the graph and its products in inductor's C++ GEMM "
+        "kernels, tuned at every start: faster steps on a CPU, for a minute or two more start-up and a second "
+        "copy of the weights (docs/benchmarks.md)",
     )
     g.add_argument(
         "--tp",

@@ -45,6 +45,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..cache import kv
+from ..core.errors import BatchspecError
 from . import attention, lean, linears, precompiled
 from .invariant import NAME as INVARIANT  # the batch-invariant mode's attention, which runs eager
 from .quant import QuantLinear
@@ -53,6 +54,9 @@ from .quant import QuantLinear
 ENV = "BATCHSPEC_COMPILE"
 #: Most tokens (rows x query width) a compiled forward takes; more run eager.
 MAX_ROWS = 128
+#: `autotune`: inductor's own C++ GEMM kernels for the frozen weights, chosen among by timing
+#: against ATen's (torch.compile's mode "max-autotune" on a CPU; the CPP template needs frozen weights).
+AUTOTUNE = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 #: Graphs of LeanStack.forward a process may compile (torch's default, 8, is two or three pairs).
 RECOMPILE_LIMIT = 64
 
@@ -144,8 +148,11 @@ class LeanStack(torch.nn.Module):
 class CompiledDecoder:
     """A transformers decoder's `forward` (lean layers), served by a compiled `LeanStack` where it can."""
 
-    def __init__(self, decoder: torch.nn.Module, eager, backend: str = "inductor", freeze: bool = False):
-        self.decoder, self.eager, self.backend, self.freeze = decoder, eager, backend, freeze
+    def __init__(
+        self, decoder: torch.nn.Module, eager, backend: str = "inductor", freeze: bool = False, autotune: bool = False
+    ):
+        self.decoder, self.eager, self.backend = decoder, eager, backend
+        self.freeze, self.autotune = freeze or autotune, autotune
         self.base, count = len(_PRODUCTS), 0
         for layer in decoder.layers:
             for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
@@ -174,12 +181,20 @@ class CompiledDecoder:
         if (form, one, mode) not in self.graphs:
             stack = LeanStack(self.decoder, form)
             options = {"freezing": True} if self.freeze else None
+            if self.autotune:
+                options |= AUTOTUNE
 
             def lazy(stack=stack, options=options):
                 return torch.compile(stack, backend=self.backend, dynamic=True, fullgraph=True, options=options)
 
             kept = self.backend == "inductor" and not self.freeze  # frozen weights are constants: not kept
-            self.graphs[form, one, mode] = precompiled.Graph(stack, one, self.backend, lazy) if kept else lazy()
+            self.graphs[form, one, mode] = (
+                precompiled.Graph(stack, one, self.backend, lazy)
+                if kept
+                else _frozen(lazy(), stack)
+                if self.freeze
+                else lazy()
+            )
         return self.graphs[form, one, mode]
 
     def serves(self, ids, inputs_embeds, kwargs) -> bool:
@@ -260,6 +275,22 @@ class CompiledDecoder:
         return cache, mask, (b, q), attention.plan(cache, mask, self.decoder.config), flat
 
 
+def _frozen(graph, stack: torch.nn.Module):
+    """`graph` called with inductor's freezing on: dynamo reads it as it traces (a parameter is then a
+    constant of the graph, not an input), which a compile's `options` set only later, for inductor.
+    The constants are the weights as they were then: a weight changed in place since is refused."""
+    weights = list(stack.parameters())
+    versions = [w._version for w in weights]
+
+    def call(*args):
+        if any(w._version != v for w, v in zip(weights, versions)):
+            raise BatchspecError("the target's weights changed in place after --max-autotune froze them into its graph")
+        with torch._inductor.config.patch(freezing=True):
+            return graph(*args)
+
+    return call
+
+
 @contextlib.contextmanager
 def _current(segments, modules, base):
     _CURRENT.update(segments=segments, modules=modules, base=base)
@@ -279,7 +310,7 @@ def cache_dir(folder: str | os.PathLike | None) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "inductor")
 
 
-def install(model: torch.nn.Module, backend: str = "inductor", freeze: bool = False) -> None:
+def install(model: torch.nn.Module, backend: str = "inductor", freeze: bool = False, autotune: bool = False) -> None:
     """Serve `model`'s decoder by a compiled graph where it can (`why_not` is None; its layers
     lean.install'ed, before its linear layers are tuned)."""
     decoder = model.get_decoder()
@@ -287,7 +318,7 @@ def install(model: torch.nn.Module, backend: str = "inductor", freeze: bool = Fa
     # target and its self-draft take about six graphs, a process loading several pairs more.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     if getattr(decoder, "batchspec_compiled", None) is None:
-        compiled = CompiledDecoder(decoder, decoder.forward, backend, freeze)
+        compiled = CompiledDecoder(decoder, decoder.forward, backend, freeze, autotune)
         decoder.forward = compiled
         decoder.batchspec_compiled = compiled
 

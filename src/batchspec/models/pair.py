@@ -39,6 +39,9 @@ AUTO = "auto"
 #: `auto` builds the self-draft only if its estimated bytes are at most this share of the memory
 #: available at load time.
 AUTO_MEMORY_SHARE = 0.25
+#: `compile="max-autotune"` (`--max-autotune`): the target's graph with its weights frozen into it and
+#: its products in inductor's own C++ GEMM kernels, tuned at start (compiled.AUTOTUNE).
+MAX_AUTOTUNE = "max-autotune"
 
 
 @dataclass
@@ -142,7 +145,7 @@ class PairSpec:
     draft_dtype: str | None = None
     draft_quant: str | None = None
     draft_vocab: int | str | None = None
-    compile: bool | None = None
+    compile: bool | str | None = None
 
     def load(self) -> ModelPair:
         return load_pair(**vars(self))
@@ -158,7 +161,7 @@ def load_pair(
     draft_dtype: str | None = None,
     draft_quant: str | None = None,
     draft_vocab: int | str | None = None,
-    compile: bool | None = None,
+    compile: bool | str | None = None,
 ) -> ModelPair:
     """Load a built-in pair by name, or a target (and optional draft) from a directory, a .gguf
     file or a hub id. Without a draft the pair uses the n-gram proposer. `tp_size` > 1: this
@@ -170,7 +173,8 @@ def load_pair(
     quantized. `draft_vocab` N: the draft model's LM head scores at most N tokens, learned as it
     runs (vocab.py); "full": all of them; default: vocab.SELF_ROWS for a self-draft, else all. A
     drafter's numerics change how many drafts are accepted, never the output. `compile`: the
-    target's decoder compiled (compiled.py; default: unless `default_eager_reason`), or False: eager."""
+    target's decoder compiled (compiled.py; default: unless `default_eager_reason`), False: eager, or
+    MAX_AUTOTUNE: compiled with its weights frozen and its products tuned C++ kernels."""
     started, before = time.perf_counter(), diskcache.tally.copy()
     result = _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype, draft_quant, draft_vocab, compile)
     new = diskcache.tally - before
@@ -183,6 +187,8 @@ def load_pair(
 def _load_pair(
     pair, target, draft, dtype, device, tp_size, draft_dtype=None, draft_quant=None, draft_vocab=None, compile=None
 ) -> ModelPair:
+    if compile not in (None, True, False, MAX_AUTOTUNE):
+        raise BatchspecError(f"unknown compile mode {compile!r}; choose True, False or {MAX_AUTOTUNE!r}")
     if dtype not in DTYPES:
         raise BatchspecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if draft_dtype is not None and draft_dtype not in DTYPES:
@@ -260,7 +266,9 @@ def _load_pair(
     if why is None:
         compiled.cache_dir(diskcache.root())
         precompiled.trust_vector_isas()
-        result.startup = {"forward": "compiled", "compile_s": round(_compile(result), 3)}
+        autotune = compile == MAX_AUTOTUNE
+        forward = f"compiled ({MAX_AUTOTUNE})" if autotune else "compiled"
+        result.startup = {"forward": forward, "compile_s": round(_compile(result, autotune), 3)}
     else:
         if compile:  # asked for and refused: say why, once
             warnings.warn(f"running the target eager: {why}", stacklevel=3)
@@ -271,10 +279,11 @@ def _load_pair(
     return result
 
 
-def _compile(pair: ModelPair) -> float:
-    """Compile the target's decoder, and its own copy's where the draft is one of lean layers (the
-    copy's int4/int8 products are PyTorch kernels, traced into its graph); seconds taken."""
-    compiled.install(pair.target)
+def _compile(pair: ModelPair, autotune: bool = False) -> float:
+    """Compile the target's decoder (`autotune`: its weights frozen, its products tuned kernels), and
+    its own copy's where the draft is one of lean layers (the copy's int4/int8 products are PyTorch
+    kernels, traced into its graph); seconds taken."""
+    compiled.install(pair.target, autotune=autotune)
     seconds = compiled.warm(pair.target)
     if pair.draft_copies_target and all(isinstance(x, lean.LeanLayer) for x in pair.draft.get_decoder().layers):
         compiled.install(pair.draft)
