@@ -275,11 +275,12 @@ def test_a_prompt_admitted_while_rows_run_rides_whole(compiled64, monkeypatch):
     assert estimated + 1 == extra["prefill_ends_carried"]
 
 
-def test_max_autotune_freezes_the_weights_into_tuned_kernels_and_decodes_as_the_reference():
+def test_max_autotune_freezes_the_weights_into_tuned_kernels_and_decodes_as_the_reference(monkeypatch):
     from torch._dynamo.utils import counters
 
     counters["inductor"].clear()
-    pair = load_pair("tiny", dtype="float32", compile="max-autotune")
+    monkeypatch.setenv(compiled.ENV, "max-autotune")  # as load_pair(compile="max-autotune") or --max-autotune
+    pair = load_pair("tiny", dtype="float32")
     assert pair.startup["forward"] == "compiled (max-autotune)"
     assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # the products are inductor's own GEMMs
     prompts = random_prompts(3, 5, 1, 30)

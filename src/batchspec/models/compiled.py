@@ -23,6 +23,11 @@ is compiled ahead of its first call and kept whole in the tuning cache (precompi
 start loads it without tracing; inductor's own cache (`cache_dir`) keeps the code of graphs compiled
 lazily (the frozen-weights form, other backends, a saved graph that does not load).
 
+`autotune` (`--max-autotune`): the products are traced instead, the weights frozen into the graph
+as constants, and inductor generates and times its own C++ GEMM kernel per product shape (its CPP
+template; faster than the library calls at a few rows). Such a graph is compiled on every start
+(inductor keeps no frozen graph), and a weight changed in place after is refused, not read stale.
+
 The engine never learns a compiler ran: `install` replaces the decoder's `forward`, with its
 signature and result. A forward the graph does not serve runs the eager lean layers (the same
 numerics but for the fused elementwise order): more than MAX_ROWS tokens (a prompt's prefill,
@@ -50,7 +55,8 @@ from . import attention, lean, linears, precompiled
 from .invariant import NAME as INVARIANT  # the batch-invariant mode's attention, which runs eager
 from .quant import QuantLinear
 
-#: The environment variable that turns the default off (pair.default_eager_reason).
+#: The environment variable that turns the default off (pair.default_eager_reason), or asks for
+#: `max-autotune` where `compile` was not given.
 ENV = "BATCHSPEC_COMPILE"
 #: Most tokens (rows x query width) a compiled forward takes; more run eager.
 MAX_ROWS = 128

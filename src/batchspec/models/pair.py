@@ -187,6 +187,8 @@ def load_pair(
 def _load_pair(
     pair, target, draft, dtype, device, tp_size, draft_dtype=None, draft_quant=None, draft_vocab=None, compile=None
 ) -> ModelPair:
+    if compile is None and os.environ.get(compiled.ENV, "").strip().lower() == MAX_AUTOTUNE:
+        compile = MAX_AUTOTUNE  # where a flag cannot reach (a library caller, a replica's process)
     if compile not in (None, True, False, MAX_AUTOTUNE):
         raise BatchspecError(f"unknown compile mode {compile!r}; choose True, False or {MAX_AUTOTUNE!r}")
     if dtype not in DTYPES:
