@@ -182,16 +182,18 @@ def test_the_cpus_vector_isas_are_checked_once_per_machine(tmp_path, monkeypatch
     from torch._inductor import config
 
     monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
-    precompiled.trust_vector_isas()
-    assert config.cpp.vec_isa_ok is None  # checked, not trusted
-    (record,) = (tmp_path / precompiled.ISA_KIND).glob("*.json")
-    verdict = json.loads(record.read_text())["value"]
-    precompiled.trust_vector_isas()
-    assert config.cpp.vec_isa_ok is (True if verdict else None)
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", False)  # the user's choice stands
-    precompiled.trust_vector_isas()
-    assert config.cpp.vec_isa_ok is False
+    # config.patch, not monkeypatch: monkeypatch's undo of an inductor setting can leave it hidden
+    # ("does not exist") for the rest of the process
+    with config.patch({"cpp.vec_isa_ok": None}):
+        precompiled.trust_vector_isas()
+        assert config.cpp.vec_isa_ok is None  # checked, not trusted
+        (record,) = (tmp_path / precompiled.ISA_KIND).glob("*.json")
+        verdict = json.loads(record.read_text())["value"]
+        precompiled.trust_vector_isas()
+        assert config.cpp.vec_isa_ok is (True if verdict else None)
+        config.cpp.vec_isa_ok = False  # the user's choice stands
+        precompiled.trust_vector_isas()
+        assert config.cpp.vec_isa_ok is False
 
 
 def test_a_prompts_chunks_ride_in_the_steps_forward_and_decode_as_the_reference(compiled64):
