@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from batchspec import SamplingParams, SpecDecoder
@@ -86,3 +87,20 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def onednn_packs_bfloat16() -> bool:
+    """Whether oneDNN packs bfloat16 weights on this CPU (it needs AVX-512 or AVX-NE-CONVERT): the
+    batch-invariant mode's bfloat16 products are oneDNN's, and the mode refuses a CPU without it."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+#: Tests of the batch-invariant mode in bfloat16 run where oneDNN can; elsewhere the mode's refusal
+#: is what is tested (test_invariant.py::test_bfloat16_under_the_mode_runs_or_is_refused_by_name).
+NEEDS_ONEDNN_BF16 = pytest.mark.skipif(
+    not onednn_packs_bfloat16(), reason="oneDNN packs no bfloat16 weights on this CPU: the mode refuses it"
+)

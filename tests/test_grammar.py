@@ -13,7 +13,7 @@ import re
 import jsonschema
 import pytest
 import torch
-from helpers import random_prompts
+from helpers import NEEDS_ONEDNN_BF16, random_prompts
 from hypothesis import given
 from hypothesis import strategies as st
 from test_speculation import RandomK
@@ -132,7 +132,7 @@ def test_any_choice_of_k_per_step_equals_the_masked_reference(one_layer, seed, m
     assert [o.token_ids for o in dec.generate(prompts, params)] == want
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=NEEDS_ONEDNN_BF16)])
 def test_exact_in_float32_and_in_bfloat16_under_the_batch_invariant_mode(dtype):
     pair = tiny_pair(dtype=dtype)
     prompts = random_prompts(3, 6, 1, 30)

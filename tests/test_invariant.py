@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import random_prompts
+from helpers import NEEDS_ONEDNN_BF16, onednn_packs_bfloat16, random_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +21,7 @@ from batchspec.models import attention as plain_attention
 from batchspec.models import invariant
 from batchspec.models.linears import FormTable
 
-DTYPES = (torch.float32, torch.bfloat16)
+DTYPES = (torch.float32, pytest.param(torch.bfloat16, marks=NEEDS_ONEDNN_BF16))
 
 
 # --- op level ------------------------------------------------------------------------------------
@@ -226,6 +226,7 @@ def test_rows_of_several_size_classes_read_in_place(dtype):
         assert [e.logprob for e in g.logprobs] == [e.logprob for e in r.logprobs]
 
 
+@NEEDS_ONEDNN_BF16
 def test_seeded_sampling_is_the_same_alone_and_in_any_batch():
     pair = tiny_pair(dtype=torch.bfloat16)
     prompts = random_prompts(77, 7, 1, 60)
@@ -236,6 +237,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_any_batch():
         assert got == alone, (method, batch)
 
 
+@NEEDS_ONEDNN_BF16
 def test_install_and_uninstall():
     pair = tiny_pair(dtype=torch.bfloat16)
     target = pair.target
@@ -251,6 +253,19 @@ def test_install_and_uninstall():
     assert target.config._attn_implementation == plain_attention.NAME
     assert all(m.table.fixed is None for m in target.modules() if hasattr(m, "table"))
     assert kv.entry_dtype(target) == torch.bfloat16
+
+
+def test_bfloat16_under_the_mode_runs_or_is_refused_by_name():
+    """Where oneDNN packs bfloat16 weights the mode installs; elsewhere (an AVX2 CPU) it is refused
+    with the reason, never run with other kernels."""
+    pair = tiny_pair(dtype=torch.bfloat16)
+    if onednn_packs_bfloat16():
+        SpecDecoder(pair, batch_invariant=True)
+        assert invariant.installed(pair.target)
+    else:
+        with pytest.raises(BatchspecError, match="needs oneDNN's matmul in torch.bfloat16 on this CPU"):
+            SpecDecoder(pair, batch_invariant=True)
+        assert not invariant.installed(pair.target)
 
 
 def test_refusals(capsys):
@@ -271,6 +286,7 @@ def test_refusals(capsys):
     assert "off, on or off,on" in capsys.readouterr().err
 
 
+@NEEDS_ONEDNN_BF16
 def test_verify_cli_reports_zero_logprob_difference(tmp_path, capsys):
     out = tmp_path / "v.json"
     args = ["verify", "--pair", "tiny", "--dtype", "bfloat16", "--batch-invariant", "--methods", "ragged,exspec"]
@@ -281,6 +297,7 @@ def test_verify_cli_reports_zero_logprob_difference(tmp_path, capsys):
     assert all(r["exact_match"] == 1.0 and r["max_logprob_diff"] == 0.0 and r["batch_invariant"] for r in runs)
 
 
+@NEEDS_ONEDNN_BF16
 def test_bench_runs_both_modes_paired(tmp_path, capsys):
     """bench --batch-invariant off,on: every method in both modes, each on-run with its paired
     ratio to the off-run of the same repeat; the model is left in the last run's mode."""

@@ -4,7 +4,9 @@ model; the output is the target's own in every method, and bad options are refus
 from __future__ import annotations
 
 import json
+import types
 
+import psutil
 import pytest
 import torch
 from helpers import assert_drafted_exactly, random_prompts, reference_tokens
@@ -205,6 +207,8 @@ def test_auto_falls_back_to_lookup_and_says_why(monkeypatch, why):
     monkeypatch.setattr(pair_module, "cpu_has_bf16", lambda: why != "bf16")
     if why == "memory":
         monkeypatch.setattr(pair_module, "AUTO_MEMORY_SHARE", 1e-9)
+        # the reason names the memory available: the same reading for both loads below
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=8 * 2**30))
     target = pair_module.tiny_pair().target
     reason = pair_module.auto_refusal(target, "cuda" if why == "device" else "cpu", 1)
     assert (

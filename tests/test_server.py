@@ -19,7 +19,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import random_prompts, reference_tokens
+from helpers import NEEDS_ONEDNN_BF16, random_prompts, reference_tokens
 
 from batchspec import BatchspecError
 
@@ -517,6 +517,7 @@ def _reference_under_the_mode(dtype, prompts, top: int):
     return [(o.token_ids, [e.logprob for e in o.logprobs]) for o in outs]
 
 
+@NEEDS_ONEDNN_BF16
 def test_a_batch_invariant_bfloat16_server_answers_concurrent_clients_as_the_target_alone():
     """`serve --dtype bfloat16 --batch-invariant`: concurrent greedy requests get the bf16 target's
     own tokens and logprobs, bit for bit."""
