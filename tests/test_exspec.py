@@ -75,3 +75,17 @@ def test_split_then_stack_is_identity(tiny64):
     again = kv.stack(config, back, counts)
     for (k0, v0), (k1, v1) in zip(kv.tensors(cache), kv.tensors(again)):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+
+def test_a_row_that_holds_nothing_yet_stacks_as_padding(tiny64):
+    """A row whose drafter was never fed (no entries, no layers) beside rows that hold entries: it
+    contributes nothing (take 0), its columns are padding; it used to raise an IndexError."""
+    config = tiny64.target.config
+    torch.manual_seed(1)
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    full = [(torch.randn(1, heads, 4, dim), torch.randn(1, heads, 4, dim)) for _ in range(config.num_hidden_layers)]
+    cache = kv.stack(config, [full, [], full], [4, 0, 3])
+    assert kv.width(cache) == 4
+    for (k, v), (k0, v0) in zip(kv.tensors(cache), full):
+        assert torch.equal(k[0:1, :, :4], k0) and torch.equal(v[2:3, :, 1:4], v0[:, :, :3])
+        assert not k[1, :, :4].any() and not v[1, :, :4].any()

@@ -226,8 +226,11 @@ def stack(config, seqs: list[SeqKV], take: list[int]) -> BufferCache:
     Sequences that all contribute the same number of entries are concatenated without padding."""
     width_ = max(take) if take else 0
     cache = BufferCache(config)
-    if width_ == 0 or not seqs[0]:
+    full = next((s for s in seqs if s), None)
+    if width_ == 0 or full is None:
         return cache
+    # A sequence that holds nothing yet (a drafter never fed it) contributes nothing: take 0.
+    seqs = [s or [(k[:, :, :0], v[:, :, :0]) for k, v in full] for s in seqs]
     for layer_idx, layer in enumerate(cache.layers):
         k = _left_pad_cat([s[layer_idx][0][:, :, :n] for s, n in zip(seqs, take)], width_)
         v = _left_pad_cat([s[layer_idx][1][:, :, :n] for s, n in zip(seqs, take)], width_)
