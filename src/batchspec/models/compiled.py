@@ -61,8 +61,14 @@ ENV = "BATCHSPEC_COMPILE"
 #: Most tokens (rows x query width) a compiled forward takes; more run eager.
 MAX_ROWS = 128
 #: `autotune`: inductor's own C++ GEMM kernels for the frozen weights, chosen among by timing
-#: against ATen's (torch.compile's mode "max-autotune" on a CPU; the CPP template needs frozen weights).
-AUTOTUNE = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+#: against ATen's (torch.compile's mode "max-autotune" on a CPU; the CPP template needs frozen weights),
+#: without inductor's tables of the timings on stderr.
+AUTOTUNE = {
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "autotune_num_choices_displayed": 0,
+    "max_autotune_report_choices_stats": False,
+}
 #: Graphs of LeanStack.forward a process may compile (torch's default, 8, is two or three pairs).
 RECOMPILE_LIMIT = 64
 
