@@ -58,6 +58,7 @@ from .quant import QuantLinear
 #: The environment variable that turns the default off (pair.default_eager_reason), or asks for
 #: `max-autotune` where `compile` was not given.
 ENV = "BATCHSPEC_COMPILE"
+
 #: Most tokens (rows x query width) a compiled forward takes; more run eager.
 MAX_ROWS = 128
 #: `autotune`: inductor's own C++ GEMM kernels for the frozen weights, chosen among by timing
@@ -114,6 +115,11 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
 def _(query, key, value, layer):
     _, heads, n, dim = query.shape
     return query.new_empty(1, n, heads * dim)
+
+
+def env_setting() -> str:
+    """$BATCHSPEC_COMPILE as given, trimmed and lower-cased ("" when unset)."""
+    return os.environ.get(ENV, "").strip().lower()
 
 
 def why_not(model: torch.nn.Module, tp_size: int = 1) -> str | None:
@@ -199,14 +205,12 @@ class CompiledDecoder:
             def lazy(stack=stack, options=options):
                 return torch.compile(stack, backend=self.backend, dynamic=True, fullgraph=True, options=options)
 
-            kept = self.backend == "inductor" and not self.freeze  # frozen weights are constants: not kept
-            self.graphs[form, one, mode] = (
-                precompiled.Graph(stack, one, self.backend, lazy)
-                if kept
-                else _frozen(lazy(), stack)
-                if self.freeze
-                else lazy()
-            )
+            if self.freeze:  # frozen weights are constants of the graph: not kept on disk
+                self.graphs[form, one, mode] = _frozen(lazy(), stack)
+            elif self.backend == "inductor":
+                self.graphs[form, one, mode] = precompiled.Graph(stack, one, self.backend, lazy)
+            else:
+                self.graphs[form, one, mode] = lazy()
         return self.graphs[form, one, mode]
 
     def serves(self, ids, inputs_embeds, kwargs) -> bool:

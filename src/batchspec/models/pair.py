@@ -187,7 +187,7 @@ def load_pair(
 def _load_pair(
     pair, target, draft, dtype, device, tp_size, draft_dtype=None, draft_quant=None, draft_vocab=None, compile=None
 ) -> ModelPair:
-    if compile is None and os.environ.get(compiled.ENV, "").strip().lower() == MAX_AUTOTUNE:
+    if compile is None and compiled.env_setting() == MAX_AUTOTUNE:
         compile = MAX_AUTOTUNE  # where a flag cannot reach (a library caller, a replica's process)
     if compile not in (None, True, False, MAX_AUTOTUNE):
         raise BatchspecError(f"unknown compile mode {compile!r}; choose True, False or {MAX_AUTOTUNE!r}")
@@ -333,7 +333,7 @@ def auto_refusal(target: torch.nn.Module, device: str, tp_size: int) -> str | No
 def default_eager_reason(pair: str | None) -> str | None:
     """Why a pair's target runs eager unless told otherwise (None: it is compiled): the tiny test
     pairs, and $BATCHSPEC_COMPILE off (0, off, none)."""
-    if os.environ.get(compiled.ENV, "").strip().lower() in diskcache.OFF:
+    if compiled.env_setting() in diskcache.OFF:
         return f"{compiled.ENV}=off"
     if pair in ("tiny", "tiny-sliding"):
         return "the tiny pairs run eager unless asked"
