@@ -304,3 +304,40 @@ def test_max_autotune_freezes_the_weights_into_tuned_kernels_and_decodes_as_the_
 def test_an_unknown_compile_mode_is_refused_by_name():
     with pytest.raises(BatchspecError, match="unknown compile mode 'fast'"):
         load_pair("tiny", compile="fast")
+
+
+def test_max_autotune_graphs_are_kept_by_inductor_and_keyed_by_the_weights(monkeypatch, tmp_path):
+    """A second start of the same weights loads the frozen graphs' kernels from inductor's cache; a
+    model of the same shapes but other weights compiles its own (the frozen weights' packed copies
+    live in the cached kernels, so a key of shapes alone would serve it stale ones)."""
+    from torch._dynamo.utils import counters
+
+    from batchspec import tiny_pair
+    from batchspec.models.linears import tune_linears
+
+    monkeypatch.setattr(compiled, "AUTOTUNE", compiled.AUTOTUNE | {"max_autotune_gemm_backends": "CPP"})
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty cache, read by inductor at each use
+    ids = torch.tensor([[5, 17, 260, 3, 99, 42]])
+
+    def autotuned(seed: int):
+        counters["inductor"].clear()
+        pair = tiny_pair(seed=seed)
+        lean.install(pair.target)
+        tune_linears(pair.target)
+        compiled.install(pair.target, autotune=True)
+        compiled.warm(pair.target)
+        with torch.inference_mode():
+            logits = pair.target(input_ids=ids, use_cache=True).logits
+        assert pair.target.get_decoder().batchspec_compiled.calls > 0  # the graph served it
+        eager = tiny_pair(seed=seed).target
+        with torch.inference_mode():
+            torch.testing.assert_close(logits, eager(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+        return dict(counters["inductor"])
+
+    first = autotuned(seed=11)  # compiled and tuned (its one-token graph may be its other's kernels)
+    assert first.get("fxgraph_cache_miss", 0) > 0
+    assert first.get("cpp_templated_kernel_counter", 0) > 0  # the tuned kernels, not ATen's
+    again = autotuned(seed=11)  # a later start: loaded
+    assert again.get("fxgraph_cache_hit", 0) > 0
+    other = autotuned(seed=12)  # other weights: compiled again, not served the first's
+    assert other.get("fxgraph_cache_miss", 0) > 0

@@ -25,8 +25,9 @@ lazily (the frozen-weights form, other backends, a saved graph that does not loa
 
 `autotune` (`--max-autotune`): the products are traced instead, the weights frozen into the graph
 as constants, and inductor generates and times its own C++ GEMM kernel per product shape (its CPP
-template; faster than the library calls at a few rows). Such a graph is compiled on every start
-(inductor keeps no frozen graph), and a weight changed in place after is refused, not read stale.
+template; faster than the library calls at a few rows). inductor's cache keeps such a graph's
+kernels, keyed by the weights' digest: a later start traces and freezes again but does not lower
+or tune (`_plain_weight_packing`). A weight changed in place after is refused, not read stale.
 
 The engine never learns a compiler ran: `install` replaces the decoder's `forward`, with its
 signature and result. A forward the graph does not serve runs the eager lean layers (the same
@@ -40,6 +41,7 @@ does not compute stays eager (`why_not`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
 import weakref
@@ -205,7 +207,7 @@ class CompiledDecoder:
             def lazy(stack=stack, options=options):
                 return torch.compile(stack, backend=self.backend, dynamic=True, fullgraph=True, options=options)
 
-            if self.freeze:  # frozen weights are constants of the graph: not kept on disk
+            if self.freeze:  # frozen weights are constants of the graph: kept by inductor's cache alone
                 self.graphs[form, one, mode] = _frozen(lazy(), stack)
             elif self.backend == "inductor":
                 self.graphs[form, one, mode] = precompiled.Graph(stack, one, self.backend, lazy)
@@ -294,17 +296,42 @@ class CompiledDecoder:
 def _frozen(graph, stack: torch.nn.Module):
     """`graph` called with inductor's freezing on: dynamo reads it as it traces (a parameter is then a
     constant of the graph, not an input), which a compile's `options` set only later, for inductor.
-    The constants are the weights as they were then: a weight changed in place since is refused."""
+    The constants are the weights as they were then: a weight changed in place since is refused.
+    inductor's cache keys a frozen graph by its weights' shapes alone: the weights' digest is added
+    to the key (`cache_key_tag`), so another model of the same shapes never loads these kernels."""
+    _plain_weight_packing()
     weights = list(stack.parameters())
     versions = [w._version for w in weights]
+    tag = f"batchspec-frozen-{_digest(weights)}"
 
     def call(*args):
         if any(w._version != v for w, v in zip(weights, versions)):
             raise BatchspecError("the target's weights changed in place after --max-autotune froze them into its graph")
-        with torch._inductor.config.patch(freezing=True):
+        with torch._inductor.config.patch(freezing=True), torch.compiler.config.patch(cache_key_tag=tag):
             return graph(*args)
 
     return call
+
+
+def _plain_weight_packing() -> None:
+    """Set inductor's freezing passes up without their oneDNN weight packing, once a process and
+    before a frozen graph compiles. That pass packs each frozen weight as a oneDNN tensor (for
+    ATen's linear among the autotune choices), which inductor's cache cannot save, so such a graph
+    was compiled and tuned on every start; the C++ GEMM kernels pack their own copies as plain
+    tensors. (After a frozen graph has compiled in the process it is too late: graphs then work
+    as before but are not kept.)"""
+    from torch._inductor.fx_passes import freezing_patterns
+
+    with torch._inductor.config.patch({"cpp.weight_prepack": False}):
+        freezing_patterns.lazy_init()
+
+
+def _digest(weights: list[torch.Tensor]) -> str:
+    """A digest of the weights' values (about 0.5 s a GB)."""
+    h = hashlib.blake2b(digest_size=16)
+    for w in weights:
+        h.update(w.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 @contextlib.contextmanager
