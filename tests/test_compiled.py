@@ -277,7 +277,7 @@ def test_a_prompt_admitted_while_rows_run_rides_whole(compiled64, monkeypatch):
     assert estimated + 1 == extra["prefill_ends_carried"]
 
 
-def test_max_autotune_freezes_the_weights_into_tuned_kernels_and_decodes_as_the_reference(monkeypatch):
+def test_max_autotune_freezes_the_weights_into_tuned_kernels_and_decodes_as_the_reference(monkeypatch, capsys):
     from torch._dynamo.utils import counters
 
     counters["inductor"].clear()
@@ -285,6 +285,7 @@ def test_max_autotune_freezes_the_weights_into_tuned_kernels_and_decodes_as_the_
     monkeypatch.setattr(compiled, "AUTOTUNE", compiled.AUTOTUNE | {"max_autotune_gemm_backends": "CPP"})
     pair = load_pair("tiny", dtype="float32")
     assert pair.startup["forward"] == "compiled (max-autotune)"
+    assert "compiling the target for --max-autotune" in capsys.readouterr().err  # minutes: said first
     # the products are inductor's own GEMM kernels (which need the weights frozen: with them as
     # inputs the graph called ATen's mm); the CPP kernels alone here, so a CPU where ATen's time
     # faster does not choose them away
