@@ -147,6 +147,26 @@ def test_riders_are_sized_by_the_riding_steps_own_cost():
     assert adm.chunk(running=8, idle=0, rides=True) <= 700  # the share bounds it too
 
 
+def test_a_carried_tokens_cost_is_bounded_by_a_prefilled_ones():
+    """A riding fit of few steps, most carrying few tokens, can put a carried token at many times
+    what a prefill forward spends on one: its share of a step (what the speculation policy learns
+    the step less) and the riders it sizes use at most RIDER_COST_CAP x the prefill fit's b."""
+    adm = Admission(ctx=None, max_gap_s=0.5)
+    for n in (16, 64, 256, 1024):
+        adm.cost.observe(n, 0.03 + 0.001 * n)  # 1 ms a prefilled token
+    for n in (8, 16, 8, 16, 12):  # small riders on steps that swing with the rows: a steep fit
+        adm.observe_step(0.1 + 0.009 * n, n)
+    assert adm.riding.b > 4 * admission.RIDER_COST_CAP * adm.cost.b  # the fit alone: ~9 ms a token
+    assert adm.rider_b == admission.RIDER_COST_CAP * adm.cost.b
+    adm.ride_error = 0.0
+    room = 0.5 - adm.step
+    assert adm.chunk(running=8, idle=8, rides=True) == round(room / adm.rider_b)  # sized at the bound
+    fresh = Admission(ctx=None, max_gap_s=0.5)  # no prefill timed yet: the riding fit as it is
+    fresh.observe_step(0.1, 0)
+    fresh.observe_step(0.2, 100)
+    assert fresh.rider_b == fresh.riding.b
+
+
 def test_a_riding_group_is_bounded_by_its_padded_tokens(tiny64, monkeypatch):
     """Whole prompts riding the step go as one padded batch: a group of a 20- and a 61-token prompt
     costs 2 x 61 tokens, more than the 90 the gap leaves, so they ride apart (by their prompt tokens,

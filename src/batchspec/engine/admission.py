@@ -99,6 +99,11 @@ FIT_RIDES = 4
 #: Riders are sized so the riding step, as predicted plus this many times the prediction's RMS error,
 #: fits the gap.
 MARGIN = 2.0
+#: A carried token costs at most this many times a prefilled one (the prefill fit's b, set by many
+#: forwards): it computes the same. The riding fit's memory is about three steps, most carrying few
+#: tokens, so its slope alone once put a token at 7-97 ms against 1-2 (a 236-token rider given a
+#: 22.9 s share of its step, which the speculation policy then learned less).
+RIDER_COST_CAP = 2.0
 #: The fit separates a from b only once the sizes timed spread by this much (their standard
 #: deviation over their mean); before, the cost is all per token.
 SPREAD = 0.25
@@ -229,7 +234,13 @@ class Admission:
         part: the step pays it), less MARGIN x the fit's RMS error predicting a riding step (a
         step's cost varies with k and the rows; the gap is a bound, not a mean)."""
         seconds -= MARGIN * self.ride_error**0.5
-        return round(max(seconds, 0.0) / max(self.riding.b, 1e-12))
+        return round(max(seconds, 0.0) / max(self.rider_b, 1e-12))
+
+    @property
+    def rider_b(self) -> float:
+        """A carried token's seconds: the riding fit's, at most RIDER_COST_CAP x the prefill fit's."""
+        b = self.riding.b or 0.0
+        return b if self.cost.b is None else min(b, RIDER_COST_CAP * self.cost.b)
 
     @property
     def fitted(self) -> bool:
@@ -442,7 +453,7 @@ class Admission:
         """Hand `part`'s next n target tokens to the step as its rider; its other roles are fed in
         `settle`, once the target's are (a draft head reads their features)."""
         ids = part.pending("target")[:, :n]
-        cost_s = self.riding.b * ids.numel() if self.fitted else None  # the policy learns the step less it
+        cost_s = self.rider_b * ids.numel() if self.fitted else None  # the policy learns the step less it
         self.rider = Rider(ids, part.inputs("target", n), completes=completes, cost_s=cost_s)
         self._after = [role for role in roles if role != "target"]
 
