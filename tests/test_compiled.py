@@ -290,6 +290,7 @@ def test_max_autotune_freezes_the_weights_into_tuned_kernels_and_decodes_as_the_
     # inputs the graph called ATen's mm); the CPP kernels alone here, so a CPU where ATen's time
     # faster does not choose them away
     assert counters["inductor"]["cpp_templated_kernel_counter"] > 0
+    assert [p.source for p in compiled.compiled(pair.target).packages] == ["made", "made"]  # kept for later starts
     prompts = random_prompts(3, 5, 1, 30)
     for method, k in (("ar", 1), ("ragged", 3), ("exspec", 2)):
         before = _graph_calls(pair)
@@ -307,21 +308,23 @@ def test_an_unknown_compile_mode_is_refused_by_name():
         load_pair("tiny", compile="fast")
 
 
-def test_max_autotune_graphs_are_kept_by_inductor_and_keyed_by_the_weights(monkeypatch, tmp_path):
-    """A second start of the same weights loads the frozen graphs' kernels from inductor's cache; a
-    model of the same shapes but other weights compiles its own (the frozen weights' packed copies
-    live in the cached kernels, so a key of shapes alone would serve it stale ones)."""
+def test_max_autotune_graphs_are_kept_as_packages_keyed_by_the_weights(monkeypatch, tmp_path):
+    """A first start compiles each frozen graph into a package kept in the tuning cache; a later
+    start of the same weights loads the packages without tracing anything; a model of the same
+    shapes but other weights makes its own (a package holds its weights' packed copies, so a key
+    of shapes alone would serve it stale ones). Every one computes what its eager model computes."""
     from torch._dynamo.utils import counters
 
     from batchspec import tiny_pair
     from batchspec.models.linears import tune_linears
 
     monkeypatch.setattr(compiled, "AUTOTUNE", compiled.AUTOTUNE | {"max_autotune_gemm_backends": "CPP"})
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty cache, read by inductor at each use
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "cache"))  # an empty tuning cache of its own
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # read by inductor at each use
     ids = torch.tensor([[5, 17, 260, 3, 99, 42]])
 
     def autotuned(seed: int):
-        counters["inductor"].clear()
+        counters.clear()
         pair = tiny_pair(seed=seed)
         lean.install(pair.target)
         tune_linears(pair.target)
@@ -329,16 +332,20 @@ def test_max_autotune_graphs_are_kept_by_inductor_and_keyed_by_the_weights(monke
         compiled.warm(pair.target)
         with torch.inference_mode():
             logits = pair.target(input_ids=ids, use_cache=True).logits
-        assert pair.target.get_decoder().batchspec_compiled.calls > 0  # the graph served it
+            step = pair.target(input_ids=ids[:, :1], use_cache=True).logits  # the one-token graph
+        decoder = compiled.compiled(pair.target)
+        assert decoder.calls >= 4  # the graphs served all four forwards
         eager = tiny_pair(seed=seed).target
         with torch.inference_mode():
             torch.testing.assert_close(logits, eager(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
-        return dict(counters["inductor"])
+            torch.testing.assert_close(step, eager(input_ids=ids[:, :1]).logits, rtol=1e-4, atol=1e-4)
+        packages = {p.name for p in (tmp_path / "cache" / "packages").iterdir() if not p.name.startswith(".")}
+        return dict(counters["inductor"]), dict(counters["stats"]), packages, [p.source for p in decoder.packages]
 
-    first = autotuned(seed=11)  # compiled and tuned (its one-token graph may be its other's kernels)
-    assert first.get("fxgraph_cache_miss", 0) > 0
+    first, _, made, loaded = autotuned(seed=11)  # exported, compiled, tuned and packaged
     assert first.get("cpp_templated_kernel_counter", 0) > 0  # the tuned kernels, not ATen's
-    again = autotuned(seed=11)  # a later start: loaded
-    assert again.get("fxgraph_cache_hit", 0) > 0
-    other = autotuned(seed=12)  # other weights: compiled again, not served the first's
-    assert other.get("fxgraph_cache_miss", 0) > 0
+    assert len(made) == 2 and loaded == ["made", "made"]  # the one-token graph's and the other's
+    _, traced, again, loaded = autotuned(seed=11)  # a later start: loaded, nothing traced
+    assert again == made and loaded == ["loaded", "loaded"] and traced.get("unique_graphs", 0) == 0
+    other, _, more, loaded = autotuned(seed=12)  # other weights: packaged again, not served the first's
+    assert other.get("cpp_templated_kernel_counter", 0) > 0 and len(more) == 4 and loaded == ["made", "made"]

@@ -100,8 +100,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         action="store_const",
         const=MAX_AUTOTUNE,
         help="compile the target with its weights frozen into the graph and its products in inductor's C++ GEMM "
-        "kernels, tuned at every start: faster steps on a CPU, for a minute or two more start-up and a second "
-        "copy of the weights (docs/benchmarks.md)",
+        "kernels, tuned for this CPU: faster steps, for about 3 minutes of compiling on a first start (later ones "
+        "load the compiled packages from the tuning cache in seconds) and packed copies of the weights "
+        "(docs/benchmarks.md)",
     )
     g.add_argument(
         "--tp",

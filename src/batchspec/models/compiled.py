@@ -25,9 +25,11 @@ lazily (the frozen-weights form, other backends, a saved graph that does not loa
 
 `autotune` (`--max-autotune`): the products are traced instead, the weights frozen into the graph
 as constants, and inductor generates and times its own C++ GEMM kernel per product shape (its CPP
-template; faster than the library calls at a few rows). inductor's cache keeps such a graph's
-kernels, keyed by the weights' digest: a later start traces and freezes again but does not lower
-or tune (`_plain_weight_packing`). A weight changed in place after is refused, not read stale.
+template; faster than the library calls at a few rows). Each such graph is exported and compiled
+ahead of time into a package kept in the tuning cache, keyed by the weights' digest, which a later
+start loads without tracing (packaged.py); where that fails, torch.compile's frozen graph, whose
+kernels inductor's cache keeps (`_plain_weight_packing`). A weight changed in place after is
+refused, not read stale.
 
 The engine never learns a compiler ran: `install` replaces the decoder's `forward`, with its
 signature and result. A forward the graph does not serve runs the eager lean layers (the same
@@ -54,7 +56,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..cache import kv
 from ..core.errors import BatchspecError
-from . import attention, lean, linears, precompiled
+from . import attention, lean, linears, packaged, precompiled
 from .invariant import NAME as INVARIANT  # the batch-invariant mode's attention, which runs eager
 from .quant import QuantLinear
 
@@ -185,6 +187,7 @@ class CompiledDecoder:
         self.modules = [layer.attn[0] for layer in decoder.layers]
         self.graphs: dict[tuple, object] = {}  # (product form, one token, inference mode) -> its compiled stack
         self.calls = 0  # forwards a graph served
+        self.packages: list[packaged.Packaged] = []  # the frozen graphs' (packaged.py)
         self.rider = None  # a forward.Rider the next served forward carries (forward.carrying sets it)
 
     def graph(self, tokens: int):
@@ -208,8 +211,14 @@ class CompiledDecoder:
             def lazy(stack=stack, options=options):
                 return torch.compile(stack, backend=self.backend, dynamic=True, fullgraph=True, options=options)
 
-            if self.freeze:  # frozen weights are constants of the graph: kept by inductor's cache alone
-                self.graphs[form, one, mode] = _frozen(lazy(), stack, self.weights_tag)
+            if self.freeze and self.backend == "inductor":  # a package on disk, else inductor's cache
+                _plain_weight_packing()
+                frozen = functools.partial(_frozen, lazy, self.weights_tag)
+                found = packaged.Packaged(stack, one, self.weights_tag, options, frozen)
+                self.packages.append(found)
+                self.graphs[form, one, mode] = _unchanged(found, stack)
+            elif self.freeze:
+                self.graphs[form, one, mode] = _unchanged(_frozen(lazy, self.weights_tag), stack)
             elif self.backend == "inductor":
                 self.graphs[form, one, mode] = precompiled.Graph(stack, one, self.backend, lazy)
             else:
@@ -300,22 +309,32 @@ class CompiledDecoder:
         return cache, mask, (b, q), attention.plan(cache, mask, self.decoder.config), flat
 
 
-def _frozen(graph, stack: torch.nn.Module, tag: str):
-    """`graph` called with inductor's freezing on: dynamo reads it as it traces (a parameter is then a
-    constant of the graph, not an input), which a compile's `options` set only later, for inductor.
-    The constants are the weights as they were then: a weight changed in place since is refused.
-    inductor's cache keys a frozen graph by its weights' shapes alone: `tag`, the weights' digest,
-    is added to the key (`cache_key_tag`), so another model of the same shapes never loads these
-    kernels."""
+def _frozen(lazy, tag: str):
+    """The frozen graph under torch.compile (`lazy()`), called with inductor's freezing on: dynamo
+    reads it as it traces (a parameter is then a constant of the graph, not an input), which a
+    compile's `options` set only later, for inductor. inductor's cache keys a frozen graph by its
+    weights' shapes alone: `tag`, the weights' digest, is added to the key (`cache_key_tag`), so
+    another model of the same shapes never loads these kernels."""
     _plain_weight_packing()
+    graph = lazy()
+
+    def call(*args):
+        with torch._inductor.config.patch(freezing=True), torch.compiler.config.patch(cache_key_tag=tag):
+            return graph(*args)
+
+    return call
+
+
+def _unchanged(graph, stack: torch.nn.Module):
+    """`graph` (one with `stack`'s weights frozen into it, as they are now), refusing a call once a
+    weight was changed in place: its constants would be stale."""
     weights = list(stack.parameters())
     versions = [w._version for w in weights]
 
     def call(*args):
         if any(w._version != v for w, v in zip(weights, versions)):
             raise BatchspecError("the target's weights changed in place after --max-autotune froze them into its graph")
-        with torch._inductor.config.patch(freezing=True), torch.compiler.config.patch(cache_key_tag=tag):
-            return graph(*args)
+        return graph(*args)
 
     return call
 

@@ -287,8 +287,8 @@ def _compile(pair: ModelPair, autotune: bool = False) -> float:
     kernels, traced into its graph); seconds taken. An autotuned start says so first: it takes minutes."""
     if autotune:
         print(
-            f"compiling the target for --{MAX_AUTOTUNE} (about 2-3 minutes on 2 cores the first time, "
-            "about half that on later starts, which load the tuned kernels)",
+            f"compiling the target for --{MAX_AUTOTUNE} (about 3 minutes on 2 cores the first time; "
+            "later starts load it from the tuning cache in seconds)",
             file=sys.stderr,
             flush=True,
         )
