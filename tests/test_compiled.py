@@ -297,6 +297,10 @@ def test_max_autotune_freezes_the_weights_into_tuned_kernels_and_decodes_as_the_
         got = decode(pair, prompts, 12, method=method, batch_size=3, k=k, proposer="draft")
         assert got == reference_tokens(pair, prompts, 12), method
         assert _graph_calls(pair) > before
+    long = random_prompts(4, 1, compiled.FROZEN_MAX_ROWS + 1, compiled.FROZEN_MAX_ROWS + 9)
+    want, before = reference_tokens(pair, long, 3), _graph_calls(pair)
+    assert decode(pair, long, 3, method="ar", batch_size=1) == want
+    assert _graph_calls(pair) == before + 2  # two steps; the prefill, past the frozen graphs' tokens, eager
     with torch.no_grad():
         pair.target.get_decoder().layers[0].qkv.weight.mul_(2)  # the graph holds the weights as they were
     with pytest.raises(BatchspecError, match="changed in place after --max-autotune froze them"):

@@ -33,11 +33,11 @@ refused, not read stale.
 
 The engine never learns a compiler ran: `install` replaces the decoder's `forward`, with its
 signature and result. A forward the graph does not serve runs the eager lean layers (the same
-numerics but for the fused elementwise order): more than MAX_ROWS tokens (a prompt's prefill,
-where the products dominate), gradients, embeddings given instead of ids, the batch-invariant mode
-(its attention and rotary tables are the eager ones; see docs/benchmarks.md). `reference` calls the
-same decoder, so the oracle and the methods share its numerics. A model whose layers the lean form
-does not compute stays eager (`why_not`).
+numerics but for the fused elementwise order): more than MAX_ROWS tokens (FROZEN_MAX_ROWS for a
+frozen graph; a prompt's prefill, where the products dominate), gradients, embeddings given instead
+of ids, the batch-invariant mode (its attention and rotary tables are the eager ones; see
+docs/benchmarks.md). `reference` calls the same decoder, so the oracle and the methods share its
+numerics. A model whose layers the lean form does not compute stays eager (`why_not`).
 """
 
 from __future__ import annotations
@@ -66,6 +66,10 @@ ENV = "BATCHSPEC_COMPILE"
 
 #: Most tokens (rows x query width) a compiled forward takes; more run eager.
 MAX_ROWS = 128
+#: Most tokens a frozen graph's forward takes, a carried rider's included: its C++ GEMM kernels,
+#: generic in the token count, were level with the eager products at 48 tokens and 1.05-1.36x their
+#: time at 64-128 on the 2-core AVX2 machine of docs/benchmarks.md (short prompts' prefill).
+FROZEN_MAX_ROWS = 48
 #: `autotune`: inductor's own C++ GEMM kernels for the frozen weights, chosen among by timing
 #: against ATen's (torch.compile's mode "max-autotune" on a CPU; the CPP template needs frozen weights),
 #: without inductor's tables of the timings on stderr.
@@ -231,11 +235,16 @@ class CompiledDecoder:
         holds the same ones), made once."""
         return f"batchspec-frozen-{_digest(list(self.stack.parameters()))}"
 
+    @property
+    def max_rows(self) -> int:
+        """Most tokens this decoder's graphs take in a forward (more run eager)."""
+        return FROZEN_MAX_ROWS if self.freeze else MAX_ROWS
+
     def serves(self, ids, inputs_embeds, kwargs) -> bool:
         return (
             ids is not None
             and inputs_embeds is None
-            and ids.numel() <= MAX_ROWS
+            and ids.numel() <= self.max_rows
             and not torch.is_grad_enabled()
             and self.decoder.config._attn_implementation != INVARIANT
             and not any(kwargs.get(k) for k in ("output_attentions", "output_hidden_states"))
@@ -268,6 +277,8 @@ class CompiledDecoder:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + q, device=input_ids.device)[None]
         rider, self.rider = self.rider, None
+        if rider is not None and self.freeze and b * q + rider.ids.numel() > self.max_rows:
+            rider = None  # left to admission's `settle`, which feeds it after the step
         segments = [self._segment(input_ids, attention_mask, position_ids, cache)]
         if rider is not None:
             segments.append(self._segment(rider.ids, **rider.inputs))
