@@ -333,6 +333,7 @@ def test_max_autotune_graphs_are_kept_as_packages_keyed_by_the_weights(monkeypat
         lean.install(pair.target)
         tune_linears(pair.target)
         compiled.install(pair.target, autotune=True)
+        cached = compiled.compiled(pair.target).packaged()  # what a start says before it compiles
         compiled.warm(pair.target)
         with torch.inference_mode():
             logits = pair.target(input_ids=ids, use_cache=True).logits
@@ -344,7 +345,9 @@ def test_max_autotune_graphs_are_kept_as_packages_keyed_by_the_weights(monkeypat
             torch.testing.assert_close(logits, eager(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(step, eager(input_ids=ids[:, :1]).logits, rtol=1e-4, atol=1e-4)
         packages = {p.name for p in (tmp_path / "cache" / "packages").iterdir() if not p.name.startswith(".")}
-        return dict(counters["inductor"]), dict(counters["stats"]), packages, [p.source for p in decoder.packages]
+        sources = [p.source for p in decoder.packages]
+        assert cached == (sources == ["loaded", "loaded"])
+        return dict(counters["inductor"]), dict(counters["stats"]), packages, sources
 
     first, _, made, loaded = autotuned(seed=11)  # exported, compiled, tuned and packaged
     assert first.get("cpp_templated_kernel_counter", 0) > 0  # the tuned kernels, not ATen's

@@ -208,9 +208,7 @@ class CompiledDecoder:
         one, mode = tokens == 1, torch.is_inference_mode_enabled()  # a graph's guards hold its inputs' mode
         if (form, one, mode) not in self.graphs:
             stack = LeanStack(self.decoder, form)
-            options = {"freezing": True} if self.freeze else None
-            if self.autotune:
-                options |= AUTOTUNE
+            options = self.options
 
             def lazy(stack=stack, options=options):
                 return torch.compile(stack, backend=self.backend, dynamic=True, fullgraph=True, options=options)
@@ -228,6 +226,19 @@ class CompiledDecoder:
             else:
                 self.graphs[form, one, mode] = lazy()
         return self.graphs[form, one, mode]
+
+    @property
+    def options(self) -> dict | None:
+        """inductor's options for this decoder's graphs (None: the defaults)."""
+        if not self.freeze:
+            return None
+        return {"freezing": True} | (AUTOTUNE if self.autotune else {})
+
+    @torch.inference_mode()
+    def packaged(self) -> bool:
+        """Whether both frozen graphs are packages in the tuning cache, which a start loads."""
+        stack = LeanStack(self.decoder, "plain")
+        return self.freeze and all(packaged.cached(stack, one, self.weights_tag, self.options) for one in (True, False))
 
     @functools.cached_property
     def weights_tag(self) -> str:

@@ -48,6 +48,15 @@ def key(stack: torch.nn.Module, one: bool, tag: str, options: dict) -> dict:
     return precompiled.key(stack, one, "aoti") | {"weights": tag, "options": options, "torch": torch.__version__}
 
 
+def cached(stack: torch.nn.Module, one: bool, tag: str, options: dict) -> bool:
+    """Whether a package of `stack`'s frozen graph (`key`) is in the tuning cache."""
+    return diskcache.complete(KIND, _name(stack, one, tag, options)) is not None
+
+
+def _name(stack: torch.nn.Module, one: bool, tag: str, options: dict) -> str:
+    return diskcache.digest(key(stack, one, tag, options))[:32]
+
+
 class Packaged:
     """`stack`'s frozen graph for one kind of call (one token, or two and more): a package loaded
     from the tuning cache, else exported and compiled on the first call's inputs and kept there;
@@ -64,7 +73,7 @@ class Packaged:
         return self.fn(*args)
 
     def _made(self, args) -> Callable:
-        name = diskcache.digest(key(self.stack, self.one, self.tag, self.options))[:32]
+        name = _name(self.stack, self.one, self.tag, self.options)
         folder = diskcache.complete(KIND, name)
         if folder is not None:
             try:

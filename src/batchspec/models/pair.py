@@ -284,15 +284,16 @@ def _load_pair(
 def _compile(pair: ModelPair, autotune: bool = False) -> float:
     """Compile the target's decoder (`autotune`: its weights frozen, its products tuned kernels), and
     its own copy's where the draft is one of lean layers (the copy's int4/int8 products are PyTorch
-    kernels, traced into its graph); seconds taken. An autotuned start says so first: it takes minutes."""
-    if autotune:
+    kernels, traced into its graph); seconds taken. An autotuned start that must compile says so
+    first: it takes minutes."""
+    compiled.install(pair.target, autotune=autotune)
+    if autotune and not compiled.compiled(pair.target).packaged():
         print(
-            f"compiling the target for --{MAX_AUTOTUNE} (about 3 minutes on 2 cores the first time; "
+            f"compiling the target for --{MAX_AUTOTUNE} (about 3 minutes on 2 cores; "
             "later starts load it from the tuning cache in seconds)",
             file=sys.stderr,
             flush=True,
         )
-    compiled.install(pair.target, autotune=autotune)
     seconds = compiled.warm(pair.target)
     if pair.draft_copies_target and all(isinstance(x, lean.LeanLayer) for x in pair.draft.get_decoder().layers):
         compiled.install(pair.draft)
