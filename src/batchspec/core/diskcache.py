@@ -1,7 +1,8 @@
 """What batchspec keeps on disk between runs, so that a start does not redo the last one's work:
 measurements of the machine (`tuning`: the linear layers' formulations, the step-cost probes),
 GGUF files converted once to a safetensors directory (`models`), and compiled graphs (`graphs`,
-models/precompiled.py; `vector-isas`: the verdict of inductor's check of the CPU's vector ISAs).
+models/precompiled.py; `packages`, `--max-autotune`'s, models/packaged.py; `vector-isas`: the
+verdict of inductor's check of the CPU's vector ISAs).
 
 Where: `$BATCHSPEC_CACHE` (the CLI's `--tuning-cache DIR` sets it, for the processes it starts
 too), else `$XDG_CACHE_HOME/batchspec`, else `~/.cache/batchspec`; `BATCHSPEC_CACHE=off`
@@ -239,6 +240,13 @@ def directory(kind: str, name: str, fill: Callable[[Path], None]) -> Path | None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def discard(kind: str, name: str) -> None:
+    """Remove `root/kind/name` (a directory `directory` made), if any: a later call makes it again."""
+    base = root()
+    if base is not None:
+        shutil.rmtree(base / kind / name, ignore_errors=True)
 
 
 def complete(kind: str, name: str) -> Path | None:

@@ -213,14 +213,14 @@ class CompiledDecoder:
             def lazy(stack=stack, options=options):
                 return torch.compile(stack, backend=self.backend, dynamic=True, fullgraph=True, options=options)
 
+            tag = self.weights_tag if self.freeze else None  # the weights as frozen now: `frozen`
             if self.freeze and self.backend == "inductor":  # a package on disk, else inductor's cache
                 _plain_weight_packing()
-                frozen = functools.partial(_frozen, lazy, self.weights_tag)
-                found = packaged.Packaged(stack, one, self.weights_tag, options, frozen)
+                found = packaged.Packaged(stack, one, tag, options, functools.partial(_frozen, lazy, tag))
                 self.packages.append(found)
-                self.graphs[form, one, mode] = _unchanged(found, stack)
+                self.graphs[form, one, mode] = _unchanged(found, *self.frozen)
             elif self.freeze:
-                self.graphs[form, one, mode] = _unchanged(_frozen(lazy, self.weights_tag), stack)
+                self.graphs[form, one, mode] = _unchanged(_frozen(lazy, tag), *self.frozen)
             elif self.backend == "inductor":
                 self.graphs[form, one, mode] = precompiled.Graph(stack, one, self.backend, lazy)
             else:
@@ -243,8 +243,12 @@ class CompiledDecoder:
     @functools.cached_property
     def weights_tag(self) -> str:
         """The frozen graphs' cache key tag: a digest of the decoder's weights (every graph's stack
-        holds the same ones), made once."""
-        return f"batchspec-frozen-{_digest(list(self.stack.parameters()))}"
+        holds the same ones), made once, when they are frozen: `frozen` holds their versions then,
+        which every frozen graph's call checks (`_unchanged`), so no graph ever freezes weights
+        other than the ones the tag names."""
+        weights = list(self.stack.parameters())
+        self.frozen = (weights, [w._version for w in weights])
+        return f"batchspec-frozen-{_digest(weights)}"
 
     @property
     def max_rows(self) -> int:
@@ -256,6 +260,7 @@ class CompiledDecoder:
             ids is not None
             and inputs_embeds is None
             and ids.numel() <= self.max_rows
+            and (ids.dtype == torch.long or not self.freeze)  # a package checks no inputs: those it was made for
             and not torch.is_grad_enabled()
             and self.decoder.config._attn_implementation != INVARIANT
             and not any(kwargs.get(k) for k in ("output_attentions", "output_hidden_states"))
@@ -347,11 +352,9 @@ def _frozen(lazy, tag: str):
     return call
 
 
-def _unchanged(graph, stack: torch.nn.Module):
-    """`graph` (one with `stack`'s weights frozen into it, as they are now), refusing a call once a
-    weight was changed in place: its constants would be stale."""
-    weights = list(stack.parameters())
-    versions = [w._version for w in weights]
+def _unchanged(graph, weights: list[torch.Tensor], versions: list[int]):
+    """`graph` (one with `weights` frozen into it at `versions`), refusing a call once a weight was
+    changed in place since: its constants would be stale."""
 
     def call(*args):
         if any(w._version != v for w, v in zip(weights, versions)):
@@ -421,7 +424,7 @@ def compiled(model: torch.nn.Module) -> CompiledDecoder | None:
 
 @torch.inference_mode()
 def warm(model: torch.nn.Module) -> float:
-    """Compile (or load from inductor's cache) both graphs now, not in the first step; seconds taken."""
+    """Compile (or load from the tuning cache) both graphs now, not in the first step; seconds taken."""
     started = time.perf_counter()
     device = next(model.parameters()).device
     cache = kv.reference_cache(model.config)

@@ -8,13 +8,14 @@ start still ran dynamo, AOT autograd and the freezing passes over the 30 layers 
 (75 s on 2 cores for the default target's two graphs). `Packaged` exports the graph's stack once
 (`torch.export`, the token count symbolic where the graph serves two and more) and compiles it with
 AOTInductor into a package (a shared library holding the kernels and the frozen, packed weights)
-kept in the tuning cache (`packages/`); a later start loads that library in about a second.
+kept in the tuning cache (`packages/`); a later start loads it in about 1.5 s a graph.
 
 Invariants:
-- a package is found only under the full key it was made with: precompiled.key's (machine,
-  versions, structure, shapes, slots, one-token or not) and the digest of the weights it holds
-  (compiled.CompiledDecoder.weights_tag) and the compile options; a model of the same shapes
-  but other weights never loads another's package;
+- a package is found only under the full key it was made with (kept beside it and compared on
+  load): precompiled.key's (machine, versions, structure, shapes, slots, one-token or not), the
+  digest of the weights it holds (compiled.CompiledDecoder.weights_tag, taken when the weights
+  were frozen) and the compile options; a model of the same shapes but other weights never loads
+  another's package, and one that does not load is made again;
 - the package computes what the frozen graph computes (the same lowering and the same tuned
   kernels); attention and the caches stay the engine's (`batchspec::attend`, called back from the
   library), so layouts, masks, trees and riders are unchanged;
@@ -24,8 +25,10 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -34,6 +37,7 @@ from . import precompiled
 
 KIND = "packages"
 FILE = "graph.pt2"
+KEY = "key.json"  # the full key a package was made under, compared on load
 #: The frozen weights beside the library in the package, not linked into it (a shared library's
 #: data section does not take a 1B-class model's weights; linking them took longer).
 PACKAGING = {
@@ -50,11 +54,22 @@ def key(stack: torch.nn.Module, one: bool, tag: str, options: dict) -> dict:
 
 def cached(stack: torch.nn.Module, one: bool, tag: str, options: dict) -> bool:
     """Whether a package of `stack`'s frozen graph (`key`) is in the tuning cache."""
-    return diskcache.complete(KIND, _name(stack, one, tag, options)) is not None
+    found = key(stack, one, tag, options)
+    return _of(diskcache.complete(KIND, _name(found)), found)
 
 
-def _name(stack: torch.nn.Module, one: bool, tag: str, options: dict) -> str:
-    return diskcache.digest(key(stack, one, tag, options))[:32]
+def _name(found: dict) -> str:
+    return diskcache.digest(found)[:32]
+
+
+def _of(folder: Path | None, found: dict) -> bool:
+    """Whether `folder` holds a package made under `found` (its key file, compared whole)."""
+    try:
+        return folder is not None and json.loads((folder / KEY).read_text()) == json.loads(
+            json.dumps(found, default=str)
+        )
+    except (OSError, ValueError):
+        return False
 
 
 class Packaged:
@@ -73,20 +88,24 @@ class Packaged:
         return self.fn(*args)
 
     def _made(self, args) -> Callable:
-        name = _name(self.stack, self.one, self.tag, self.options)
+        found = key(self.stack, self.one, self.tag, self.options)
+        name = _name(found)
         folder = diskcache.complete(KIND, name)
         if folder is not None:
             try:
+                if not _of(folder, found):
+                    raise ValueError("made under another key")
                 runner = _load(folder)
                 self.source = "loaded"
                 return runner
             except Exception as err:  # noqa: BLE001 - a package that does not load is made again
-                diskcache.warn_once(f"ignoring a saved compiled package that does not load ({type(err).__name__})")
+                diskcache.warn_once(f"making again a saved compiled package that does not load ({type(err).__name__})")
+                diskcache.discard(KIND, name)
         self.source = "lazy"
         if diskcache.root() is None:
             return self.lazy()
         try:
-            folder = diskcache.directory(KIND, name, lambda tmp: self._package(args, tmp))
+            folder = diskcache.directory(KIND, name, lambda tmp: self._package(args, tmp, found))
             if folder is None:
                 return self.lazy()
             runner = _load(folder)
@@ -96,22 +115,27 @@ class Packaged:
         self.source = "made"
         return runner
 
-    def _package(self, args, folder) -> None:
-        """Export the stack on `args` (ids [1, N], cos and sin [1, N, D]) and compile it into `folder`."""
+    def _package(self, args, folder: Path, found: dict) -> None:
+        """Export the stack on `args` (ids [1, N], cos and sin [1, N, D]) and compile it into `folder`
+        with its key (`KEY`). A compiler's OSError is not the cache's: raised as a RuntimeError."""
         dims = None
         if not self.one:  # the graph serves N >= 2 tokens, a rider's included
             n = torch.export.Dim("tokens", min=2)
             dims = ({1: n}, {1: n}, {1: n})
         example = tuple(a.clone() for a in args)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # export's notes on transformers' modules
-            program = torch.export.export(self.stack, example, dynamic_shapes=dims, strict=False)
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=str(folder / FILE), inductor_configs=self.options | PACKAGING
-            )
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # export's notes on transformers' modules
+                program = torch.export.export(self.stack, example, dynamic_shapes=dims, strict=False)
+                torch._inductor.aoti_compile_and_package(
+                    program, package_path=str(folder / FILE), inductor_configs=self.options | PACKAGING
+                )
+        except OSError as err:
+            raise RuntimeError(f"{type(err).__name__}: {err}") from err
+        (folder / KEY).write_text(json.dumps(found, default=str), encoding="utf-8")
 
 
-def _load(folder) -> Callable:
+def _load(folder: Path) -> Callable:
     """The package in `folder` as a function of the graph's inputs."""
     runner = torch._inductor.aoti_load_package(str(folder / FILE))
     return lambda *args: runner(*args)
