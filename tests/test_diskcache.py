@@ -242,6 +242,21 @@ def test_two_processes_making_one_directory_at_once(cache):
     assert [p.name for p in (cache / "models").iterdir()] == ["shared"]  # no temporary left behind
 
 
+def test_a_directory_is_found_only_under_the_key_it_was_made_with(cache):
+    fills = []
+
+    def fill(marker):
+        return lambda path: (fills.append(marker), (path / "data.txt").write_text(marker))
+
+    a, b = {"weights": "a"}, {"weights": "b"}
+    made = diskcache.directory("packages", "x", fill("a"), key=a)
+    assert diskcache.complete("packages", "x", a) == made and diskcache.complete("packages", "x", b) is None
+    assert diskcache.directory("packages", "x", fill("a"), key=a) == made and fills == ["a"]  # found, not made
+    assert diskcache.directory("packages", "x", fill("b"), key=b) == made and fills == ["a", "b"]  # made again
+    assert (made / "data.txt").read_text() == "b" and diskcache.complete("packages", "x", a) is None
+    assert [p.name for p in (cache / "packages").iterdir()] == ["x"]  # no temporary left behind
+
+
 def test_two_processes_tuning_at_once_then_a_third_finds_it_all(cache):
     command = [sys.executable, "-m", "batchspec.cli", "tune", "--pair", "tiny", "--batch-sizes", "2"]
     runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]

@@ -208,15 +208,17 @@ def forget(kind: str, key: dict) -> None:
         _remove(str(path))
 
 
-def directory(kind: str, name: str, fill: Callable[[Path], None]) -> Path | None:
-    """`root/kind/name`, made once by `fill(folder)` into a temporary folder renamed into place.
-    None when the cache is off or cannot be written (the caller then does without it)."""
+def directory(kind: str, name: str, fill: Callable[[Path], None], key: dict | None = None) -> Path | None:
+    """`root/kind/name`, made once by `fill(folder)` into a temporary folder renamed into place;
+    with `key`, stored in it and compared as `read` compares (`complete`): one made under another
+    key is made again. None when the cache is off or cannot be written (the caller then does
+    without it)."""
     base = root()
     if base is None:
         return None
     final = base / kind / name
     try:
-        if (final / DONE).exists():
+        if complete(kind, name, key) is not None:
             return final
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{name}-"))
@@ -226,13 +228,13 @@ def directory(kind: str, name: str, fill: Callable[[Path], None]) -> Path | None
     try:
         fill(tmp)
         tmp.chmod(0o755)  # mkdtemp's folder is private
-        (tmp / DONE).write_text(json.dumps({"format": FORMAT}), encoding="utf-8")
-        if final.exists() and not (final / DONE).exists():
-            shutil.rmtree(final, ignore_errors=True)  # an incomplete one left by a killed run
+        (tmp / DONE).write_text(json.dumps({"format": FORMAT, "key": key}, default=str), encoding="utf-8")
+        if final.exists() and complete(kind, name, key) is None:
+            shutil.rmtree(final, ignore_errors=True)  # an incomplete one left by a killed run, or another key's
         os.rename(tmp, final)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        if (final / DONE).exists():  # another process made it first
+        if complete(kind, name, key) is not None:  # another process made it first
             return final
         _cannot_write(err)
         return None
@@ -249,13 +251,15 @@ def discard(kind: str, name: str) -> None:
         shutil.rmtree(base / kind / name, ignore_errors=True)
 
 
-def complete(kind: str, name: str) -> Path | None:
-    """`root/kind/name` if it was made completely, else None."""
+def complete(kind: str, name: str, key: dict | None = None) -> Path | None:
+    """`root/kind/name` if it was made completely (under `key`, where given), else None."""
     base = root()
     found = None if base is None else base / kind / name
     try:
-        return found if found is not None and (found / DONE).exists() else None
-    except OSError:
+        if found is None or not (found / DONE).exists():
+            return None
+        return found if key is None or _is_of(json.loads((found / DONE).read_text(encoding="utf-8")), key) else None
+    except (OSError, ValueError, AttributeError):
         return None
 
 

@@ -237,8 +237,10 @@ class CompiledDecoder:
     @torch.inference_mode()
     def packaged(self) -> bool:
         """Whether both frozen graphs are packages in the tuning cache, which a start loads."""
+        if not self.freeze:
+            return False
         stack = LeanStack(self.decoder, "plain")
-        return self.freeze and all(packaged.cached(stack, one, self.weights_tag, self.options) for one in (True, False))
+        return all(packaged.cached(stack, one, self.weights_tag, self.options) for one in (True, False))
 
     @functools.cached_property
     def weights_tag(self) -> str:

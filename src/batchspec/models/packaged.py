@@ -11,8 +11,8 @@ AOTInductor into a package (a shared library holding the kernels and the frozen,
 kept in the tuning cache (`packages/`); a later start loads it in about 1.5 s a graph.
 
 Invariants:
-- a package is found only under the full key it was made with (kept beside it and compared on
-  load): precompiled.key's (machine, versions, structure, shapes, slots, one-token or not), the
+- a package is found only under the full key it was made with (stored with it and compared on
+  load, diskcache.complete): precompiled.key's (machine, versions, structure, shapes, slots, one-token or not), the
   digest of the weights it holds (compiled.CompiledDecoder.weights_tag, taken when the weights
   were frozen) and the compile options; a model of the same shapes but other weights never loads
   another's package, and one that does not load is made again;
@@ -25,7 +25,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +36,6 @@ from . import precompiled
 
 KIND = "packages"
 FILE = "graph.pt2"
-KEY = "key.json"  # the full key a package was made under, compared on load
 #: The frozen weights beside the library in the package, not linked into it (a shared library's
 #: data section does not take a 1B-class model's weights; linking them took longer).
 PACKAGING = {
@@ -55,21 +53,11 @@ def key(stack: torch.nn.Module, one: bool, tag: str, options: dict) -> dict:
 def cached(stack: torch.nn.Module, one: bool, tag: str, options: dict) -> bool:
     """Whether a package of `stack`'s frozen graph (`key`) is in the tuning cache."""
     found = key(stack, one, tag, options)
-    return _of(diskcache.complete(KIND, _name(found)), found)
+    return diskcache.complete(KIND, _name(found), found) is not None
 
 
 def _name(found: dict) -> str:
     return diskcache.digest(found)[:32]
-
-
-def _of(folder: Path | None, found: dict) -> bool:
-    """Whether `folder` holds a package made under `found` (its key file, compared whole)."""
-    try:
-        return folder is not None and json.loads((folder / KEY).read_text()) == json.loads(
-            json.dumps(found, default=str)
-        )
-    except (OSError, ValueError):
-        return False
 
 
 class Packaged:
@@ -90,11 +78,9 @@ class Packaged:
     def _made(self, args) -> Callable:
         found = key(self.stack, self.one, self.tag, self.options)
         name = _name(found)
-        folder = diskcache.complete(KIND, name)
+        folder = diskcache.complete(KIND, name, found)
         if folder is not None:
             try:
-                if not _of(folder, found):
-                    raise ValueError("made under another key")
                 runner = _load(folder)
                 self.source = "loaded"
                 return runner
@@ -105,7 +91,7 @@ class Packaged:
         if diskcache.root() is None:
             return self.lazy()
         try:
-            folder = diskcache.directory(KIND, name, lambda tmp: self._package(args, tmp, found))
+            folder = diskcache.directory(KIND, name, lambda tmp: self._package(args, tmp), key=found)
             if folder is None:
                 return self.lazy()
             runner = _load(folder)
@@ -115,9 +101,9 @@ class Packaged:
         self.source = "made"
         return runner
 
-    def _package(self, args, folder: Path, found: dict) -> None:
-        """Export the stack on `args` (ids [1, N], cos and sin [1, N, D]) and compile it into `folder`
-        with its key (`KEY`). A compiler's OSError is not the cache's: raised as a RuntimeError."""
+    def _package(self, args, folder: Path) -> None:
+        """Export the stack on `args` (ids [1, N], cos and sin [1, N, D]) and compile it into `folder`.
+        A compiler's OSError is not the cache's: raised as a RuntimeError."""
         dims = None
         if not self.one:  # the graph serves N >= 2 tokens, a rider's included
             n = torch.export.Dim("tokens", min=2)
@@ -132,10 +118,8 @@ class Packaged:
                 )
         except OSError as err:
             raise RuntimeError(f"{type(err).__name__}: {err}") from err
-        (folder / KEY).write_text(json.dumps(found, default=str), encoding="utf-8")
 
 
 def _load(folder: Path) -> Callable:
     """The package in `folder` as a function of the graph's inputs."""
-    runner = torch._inductor.aoti_load_package(str(folder / FILE))
-    return lambda *args: runner(*args)
+    return torch._inductor.aoti_load_package(str(folder / FILE))
