@@ -277,23 +277,48 @@ def test_a_prompt_admitted_while_rows_run_rides_whole(compiled64, monkeypatch):
     assert estimated + 1 == extra["prefill_ends_carried"]
 
 
-def test_max_autotune_freezes_the_weights_into_tuned_kernels_and_decodes_as_the_reference(
-    monkeypatch, capsys, tmp_path
-):
+def test_max_autotune_tunes_packages_once_per_weights_and_decodes_as_the_reference(monkeypatch, capsys, tmp_path):
+    """A first --max-autotune start freezes the weights into inductor's tuned GEMM kernels and
+    compiles each frozen graph into a package kept in the tuning cache; a later start of the same
+    weights loads the packages without tracing anything; a package cut short is made again; a
+    model of the same shapes but other weights finds none of them (a package holds its weights'
+    packed copies, so a key of shapes alone would serve it stale ones). Every start computes what
+    the eager model computes and decodes as the reference; a prompt past the frozen graphs' tokens
+    is prefilled eager; weights changed in place after freezing are refused."""
     from torch._dynamo.utils import counters
 
-    counters["inductor"].clear()
-    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path))  # a tuning cache of its own: this start must compile
+    from batchspec import tiny_pair
+
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "cache"))  # an empty tuning cache of its own
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # read by inductor at each use
     monkeypatch.setenv(compiled.ENV, "max-autotune")  # as load_pair(compile="max-autotune") or --max-autotune
+    # the CPP kernels alone here, so a CPU where ATen's time faster does not choose them away
     monkeypatch.setattr(compiled, "AUTOTUNE", compiled.AUTOTUNE | {"max_autotune_gemm_backends": "CPP"})
-    pair = load_pair("tiny", dtype="float32")
-    assert pair.startup["forward"] == "compiled (max-autotune)"
-    assert "compiling the target for --max-autotune" in capsys.readouterr().err  # minutes: said first
+    ids = torch.tensor([[5, 17, 260, 3, 99, 42]])
+    eager = tiny_pair().target
+
+    def start():
+        counters.clear()
+        pair = load_pair("tiny", dtype="float32")
+        assert pair.startup["forward"] == "compiled (max-autotune)"
+        with torch.inference_mode():  # the wider graph, then the one-token graph
+            for x in (ids, ids[:, :1]):
+                want = eager(input_ids=x).logits
+                torch.testing.assert_close(pair.target(input_ids=x, use_cache=True).logits, want, rtol=1e-4, atol=1e-4)
+        sources = [p.source for p in compiled.compiled(pair.target).packages]
+        notice = "compiling the target for --max-autotune" in capsys.readouterr().err  # minutes: said first
+        assert notice == (sources == ["made", "made"])  # (a package there but broken: made again, unsaid)
+        return pair, dict(counters["inductor"]), dict(counters["stats"]), sources
+
+    def kept() -> set[str]:
+        return {p.name for p in (tmp_path / "cache" / "packages").iterdir() if not p.name.startswith(".")}
+
+    pair, first, _, sources = start()  # exported, compiled, tuned and packaged
     # the products are inductor's own GEMM kernels (which need the weights frozen: with them as
-    # inputs the graph called ATen's mm); the CPP kernels alone here, so a CPU where ATen's time
-    # faster does not choose them away
-    assert counters["inductor"]["cpp_templated_kernel_counter"] > 0
-    assert [p.source for p in compiled.compiled(pair.target).packages] == ["made", "made"]  # kept for later starts
+    # inputs the graph called ATen's mm)
+    assert first.get("cpp_templated_kernel_counter", 0) > 0 and sources == ["made", "made"]
+    made = kept()
+    assert len(made) == 2  # the one-token graph's and the other's
     prompts = random_prompts(3, 5, 1, 30)
     for method, k in (("ar", 1), ("ragged", 3), ("exspec", 2)):
         before = _graph_calls(pair)
@@ -304,6 +329,19 @@ def test_max_autotune_freezes_the_weights_into_tuned_kernels_and_decodes_as_the_
     want, before = reference_tokens(pair, long, 3), _graph_calls(pair)
     assert decode(pair, long, 3, method="ar", batch_size=1) == want
     assert _graph_calls(pair) == before + 2  # two steps; the prefill, past the frozen graphs' tokens, eager
+
+    pair, _, traced, sources = start()  # a later start: loaded, nothing traced
+    assert sources == ["loaded", "loaded"] and traced.get("unique_graphs", 0) == 0
+    want = reference_tokens(pair, prompts, 12)
+    assert decode(pair, prompts, 12, method="ragged", batch_size=3, k=3, proposer="draft") == want
+    broken = tmp_path / "cache" / "packages" / sorted(made)[0] / "graph.pt2"
+    broken.write_bytes(broken.read_bytes()[:1000])  # a package cut short: made again, with a warning
+    pair, _, _, sources = start()
+    assert sorted(sources) == ["loaded", "made"] and kept() == made
+    other = tiny_pair(seed=12).target  # other weights of the same shapes: none of the packages is theirs
+    lean.install(other)
+    compiled.install(other, autotune=True)
+    assert not compiled.compiled(other).packaged() and compiled.compiled(pair.target).packaged()
     with torch.no_grad():
         pair.target.get_decoder().layers[0].qkv.weight.mul_(2)  # the graph holds the weights as they were
     with pytest.raises(BatchspecError, match="changed in place after --max-autotune froze them"):
@@ -313,53 +351,3 @@ def test_max_autotune_freezes_the_weights_into_tuned_kernels_and_decodes_as_the_
 def test_an_unknown_compile_mode_is_refused_by_name():
     with pytest.raises(BatchspecError, match="unknown compile mode 'fast'"):
         load_pair("tiny", compile="fast")
-
-
-def test_max_autotune_graphs_are_kept_as_packages_keyed_by_the_weights(monkeypatch, tmp_path):
-    """A first start compiles each frozen graph into a package kept in the tuning cache; a later
-    start of the same weights loads the packages without tracing anything; a model of the same
-    shapes but other weights makes its own (a package holds its weights' packed copies, so a key
-    of shapes alone would serve it stale ones). Every one computes what its eager model computes."""
-    from torch._dynamo.utils import counters
-
-    from batchspec import tiny_pair
-    from batchspec.models.linears import tune_linears
-
-    monkeypatch.setattr(compiled, "AUTOTUNE", compiled.AUTOTUNE | {"max_autotune_gemm_backends": "CPP"})
-    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "cache"))  # an empty tuning cache of its own
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # read by inductor at each use
-    ids = torch.tensor([[5, 17, 260, 3, 99, 42]])
-
-    def autotuned(seed: int):
-        counters.clear()
-        pair = tiny_pair(seed=seed)
-        lean.install(pair.target)
-        tune_linears(pair.target)
-        compiled.install(pair.target, autotune=True)
-        cached = compiled.compiled(pair.target).packaged()  # what a start says before it compiles
-        compiled.warm(pair.target)
-        with torch.inference_mode():
-            logits = pair.target(input_ids=ids, use_cache=True).logits
-            step = pair.target(input_ids=ids[:, :1], use_cache=True).logits  # the one-token graph
-        decoder = compiled.compiled(pair.target)
-        assert decoder.calls >= 4  # the graphs served all four forwards
-        eager = tiny_pair(seed=seed).target
-        with torch.inference_mode():
-            torch.testing.assert_close(logits, eager(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(step, eager(input_ids=ids[:, :1]).logits, rtol=1e-4, atol=1e-4)
-        packages = {p.name for p in (tmp_path / "cache" / "packages").iterdir() if not p.name.startswith(".")}
-        sources = [p.source for p in decoder.packages]
-        assert cached == (sources != ["made", "made"])  # (a package that is there but broken: made again)
-        return dict(counters["inductor"]), dict(counters["stats"]), packages, sources
-
-    first, _, made, loaded = autotuned(seed=11)  # exported, compiled, tuned and packaged
-    assert first.get("cpp_templated_kernel_counter", 0) > 0  # the tuned kernels, not ATen's
-    assert len(made) == 2 and loaded == ["made", "made"]  # the one-token graph's and the other's
-    _, traced, again, loaded = autotuned(seed=11)  # a later start: loaded, nothing traced
-    assert again == made and loaded == ["loaded", "loaded"] and traced.get("unique_graphs", 0) == 0
-    broken = tmp_path / "cache" / "packages" / sorted(made)[0] / "graph.pt2"
-    broken.write_bytes(broken.read_bytes()[:1000])  # a package cut short: made again, with a warning
-    _, _, again, loaded = autotuned(seed=11)
-    assert again == made and sorted(loaded) == ["loaded", "made"]
-    other, _, more, loaded = autotuned(seed=12)  # other weights: packaged again, not served the first's
-    assert other.get("cpp_templated_kernel_counter", 0) > 0 and len(more) == 4 and loaded == ["made", "made"]

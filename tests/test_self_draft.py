@@ -17,6 +17,7 @@ from batchspec import BatchspecError, SamplingParams, SpecDecoder, load_pair
 from batchspec.cli import main
 from batchspec.models.linears import TunedLinear
 from batchspec.models.quant import DENSE_ROWS, QuantLinear, quantize
+from batchspec.policy import drafter
 
 
 @pytest.fixture(scope="module")
@@ -185,39 +186,92 @@ def _user_target(monkeypatch):
     return pair_module
 
 
-def test_auto_drafts_with_the_targets_own_int4_copy(monkeypatch):
+def _fake_costs(copy_pays: bool) -> drafter.Costs:
+    """A cost table (seconds): a plain step of 40 ms, verifies that grow 10% a token, and a copy
+    whose forward is 4 ms (pays) or 40 ms (as dear as the target: cannot)."""
+    return drafter.Costs(tuple(0.04 * (1 + 0.1 * j) for j in range(6)), 0.004 if copy_pays else 0.04)
+
+
+@pytest.mark.parametrize(
+    ("verify", "draft", "want"),
+    [
+        ((0.04, 0.044, 0.048, 0.052), 0.004, "draft"),  # a copy a tenth of a step: pays
+        ((0.04, 0.044, 0.048, 0.052), 0.04, "ngram"),  # as dear as the target: lookup
+        ((0.04, 0.08, 0.12, 0.16), 0.004, "ngram"),  # verifying is compute-bound: nothing pays
+        ((0.04, 0.046), 0.01, "draft"),  # one draft, at a quarter of a step: 1.9 / 1.36 of a step's tokens
+    ],
+)
+def test_the_drafter_is_chosen_from_the_cost_table(verify, draft, want):
+    name, why = drafter.decide(drafter.Costs(verify, draft))
+    gain, _ = drafter.copy_gain(drafter.Costs(verify, draft))
+    assert name == want and (gain > drafter.LOOKUP_GAIN) == (want == "draft")
+    assert why.startswith("auto: ") and f"{1e3 * draft:.1f} ms" in why
+
+
+@pytest.mark.parametrize("copy_pays", [True, False])
+def test_auto_runs_what_the_measured_costs_choose_and_stays_exact(monkeypatch, copy_pays):
     """--draft auto (the command line's default beside --target) builds the target's own int4 copy
-    and drafts with it, says so in the start-up report, and stays exact."""
-    pair_module = _user_target(monkeypatch)
-    monkeypatch.setattr(pair_module, "cpu_has_bf16", lambda: True)
+    as a candidate; the decoder runs the copy or lookup as the cost table says, names the choice
+    in its start-up report, and is exact either way. Without a fake table the costs are measured."""
+    _user_target(monkeypatch)
     pair = load_pair(target="user-model", draft="auto", dtype="float32")
-    assert pair.default_proposer == "draft" and pair.draft_copies_target
+    assert pair.draft_candidate and pair.default_proposer == "draft" and pair.draft_copies_target
     assert {m.kind for m in pair.draft.modules() if isinstance(m, QuantLinear)} >= {"int4"}
-    assert "int4 copy" in pair.startup["drafter"] and pair.describe()["drafter"] == pair.startup["drafter"]
+    assert "measured costs" in pair.startup["drafter"] and pair.describe()["drafter"] == pair.startup["drafter"]
+    measured = []
+    real = drafter.measure
+    monkeypatch.setattr(drafter, "measure", lambda *a: measured.append(real(*a)) or _fake_costs(copy_pays))
     prompts = random_prompts(3, 3, 4, 30)
     dec = SpecDecoder(pair, method="ragged", batch_size=3, k="auto")
-    assert dec.proposer_name == "draft"
-    got = [o.token_ids for o in dec.generate(prompts, SamplingParams(max_new_tokens=24))]
-    assert got == reference_tokens(pair, prompts, 24)
+    assert dec.proposer_name == ("draft" if copy_pays else "ngram")
+    assert dec.startup["drafter"].startswith("auto: the target's own copy" if copy_pays else "auto: lookup alone")
+    assert measured and all(t > 0 for t in measured[0].verify) and measured[0].draft > 0
+    got = dec.generate(prompts, SamplingParams(max_new_tokens=24))
+    assert [o.token_ids for o in got] == reference_tokens(pair, prompts, 24)
+    assert dec.stats.extra["startup"]["drafter"] == dec.startup["drafter"]
 
 
-@pytest.mark.parametrize("why", ["bf16", "memory", "device"])
+def test_bench_chooses_per_batch_size_and_reports_the_choice(monkeypatch, tmp_path):
+    """The choice is made for each batch size from its own costs (here: the copy pays at one row,
+    not at three), and bench's JSON says per run which drafter ran and why."""
+    from batchspec.tools.bench import bench
+
+    _user_target(monkeypatch)
+    pair = load_pair(target="user-model", draft="auto", dtype="float32")
+    monkeypatch.setattr(drafter, "measure", lambda config, *a: _fake_costs(config.batch_size == 1))
+    prompts = random_prompts(6, 3, 4, 20)
+    report = bench(pair, prompts, ["ar", "ragged"], [1, 3], SamplingParams(max_new_tokens=8), progress=False)
+    runs = {r["batch_size"]: r for r in report["runs"] if r["method"] == "ragged"}
+    assert runs[1]["proposer"] == "draft" and runs[1]["drafter"].startswith("auto: the target's own copy")
+    assert runs[3]["proposer"] == "ngram" and runs[3]["drafter"].startswith("auto: lookup alone")
+
+
+@pytest.mark.parametrize("asked", ["draft", "ngram", "ngram+draft"])
+def test_an_explicit_proposer_is_never_overridden_by_the_choice(monkeypatch, asked):
+    _user_target(monkeypatch)
+    pair = load_pair(target="user-model", draft="auto", dtype="float32")
+    monkeypatch.setattr(drafter, "measure", lambda *a: pytest.fail("an explicit --proposer needs no choice"))
+    dec = SpecDecoder(pair, method="ragged", batch_size=2, k="auto", proposer=asked)
+    assert dec.proposer_name == asked and dec.startup["drafter"].startswith(f"auto: --proposer {asked} as asked")
+    prompts = random_prompts(5, 2, 4, 20)
+    got = dec.generate(prompts, SamplingParams(max_new_tokens=16))
+    assert [o.token_ids for o in got] == reference_tokens(pair, prompts, 16)
+
+
+@pytest.mark.parametrize("why", ["memory", "device"])
 def test_auto_falls_back_to_lookup_and_says_why(monkeypatch, why):
     pair_module = _user_target(monkeypatch)
-    monkeypatch.setattr(pair_module, "cpu_has_bf16", lambda: why != "bf16")
     if why == "memory":
         monkeypatch.setattr(pair_module, "AUTO_MEMORY_SHARE", 1e-9)
         # the reason names the memory available: the same reading for both loads below
         monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=8 * 2**30))
     target = pair_module.tiny_pair().target
     reason = pair_module.auto_refusal(target, "cuda" if why == "device" else "cpu", 1)
-    assert (
-        reason.startswith("auto: lookup alone")
-        and {"bf16": "bfloat16", "memory": "MiB", "device": "cuda"}[why] in reason
-    )
+    assert reason.startswith("auto: lookup alone") and {"memory": "MiB", "device": "cuda"}[why] in reason
     if why != "device":  # no GPU here to load onto
         pair = load_pair(target="user-model", draft="auto")
         assert pair.draft is None and pair.default_proposer == "ngram" and pair.startup["drafter"] == reason
+        assert not pair.draft_candidate
         with pytest.raises(BatchspecError, match="--draft-vocab needs a draft model, and auto: lookup alone"):
             load_pair(target="user-model", draft="auto", draft_vocab=64)
 

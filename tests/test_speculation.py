@@ -399,7 +399,9 @@ def test_a_cost_without_probes_is_fitted_on_the_steps():
 def test_proposer_cost_learns_per_model_forward(tiny64):
     """A model proposer's cost is learned per forward: a proposal that says it took none (a
     combined proposer's lookup-only step) teaches nothing; one that took one per draft does."""
-    policy = Adaptive(tiny64.target, SimpleNamespace(model=tiny64.draft, bins=2, branches=1), capacity=4)
+    policy = Adaptive(
+        tiny64.target, SimpleNamespace(model=tiny64.draft, bins=2, branches=1, kv_from_target=False), capacity=4
+    )
     learned = []
     policy.prop_cost.observe = lambda rows, q, span, seconds: learned.append(seconds)
     drafts = torch.zeros(2, 3, dtype=torch.long)

@@ -58,8 +58,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--draft",
         help="draft model (same forms), or self: the target's own weights, quantized (--draft-quant), or "
-        "auto (the default beside --target unless --proposer ngram or eagle): self on a CPU with bfloat16 "
-        "units and memory to spare, else the n-gram proposer alone",
+        "auto (the default beside --target unless --proposer ngram or eagle): self or the n-gram proposer "
+        "alone, whichever the measured costs at the batch size favour (self only with memory to spare)",
     )
     g.add_argument(
         "--dtype", choices=list(DTYPES), default="float32", help="float32 (default: exact) or bfloat16 (fast)"

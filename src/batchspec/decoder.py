@@ -21,6 +21,7 @@ from .distributed import tp
 from .engine.step import Context
 from .models import invariant
 from .models.pair import ModelPair, load_pair
+from .policy import drafter
 from .policy.speculation import prepare
 from .proposers.make import make_proposer
 
@@ -38,11 +39,12 @@ class SpecDecoder:
         self.config = config if config is not None else EngineConfig(**config_kw)
         if config is not None and config_kw:
             raise BatchspecError("give either an EngineConfig or keyword options, not both")
-        self.proposer, self.proposer_name = make_proposer(pair, self.config)
         self._apply_mode()
+        chosen, why = drafter.choose(pair, self.config)  # `--draft auto`: lookup or the copy, measured
+        self.proposer, self.proposer_name = make_proposer(pair, self.config, chosen)
         self.stats = Stats(device=str(pair.device))
         self.speculation = None  # built on first use: `auto` probes the machine's costs
-        self.startup = dict(pair.startup)  # load_s, weights; tuning_s, tuning once measured
+        self.startup = dict(pair.startup) | ({"drafter": why} if why else {})  # load_s, weights; tuning_s, ...
 
     @classmethod
     def from_pretrained(cls, pair=None, target=None, draft=None, dtype="float32", device=None, **config_kw):

@@ -30,11 +30,12 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PAIRS = ("tiny", "tiny-sliding", "default")
 #: `--draft self`: the target's own weights, quantized (quant.py), as the draft model.
 SELF = "self"
-#: `--draft auto` (the command line's default beside `--target`): the target's own int4 copy (proposer
-#: `draft`) where `auto_refusal` finds nothing against it; else no draft model (lookup alone). Not
-#: lookup first with it: that proposer rewinds the draft's cache every step (a forward more per
-#: step, dear for a draft a third of the target's step), measured below lookup alone and the copy
-#: alone (docs/benchmarks.md, "The drafter a user's model gets").
+#: `--draft auto` (the command line's default beside `--target`): the target's own int4 copy is built
+#: as a candidate where `auto_refusal` finds nothing against it (policy/drafter.py then chooses it or
+#: lookup alone from measured costs); else no draft model (lookup alone). Not lookup first with it:
+#: that proposer rewinds the draft's cache every step (a forward more per step, dear for a draft a
+#: third of the target's step), measured below lookup alone and the copy alone (docs/benchmarks.md,
+#: "The drafter a user's model gets").
 AUTO = "auto"
 #: `auto` builds the self-draft only if its estimated bytes are at most this share of the memory
 #: available at load time.
@@ -58,6 +59,7 @@ class ModelPair:
     draft_vocab_ids: torch.Tensor | vocab.GrowingHead | None = None  # reduced draft head -> full ids
     default_proposer: str = "draft"
     drafter: str = ""  # which drafter the defaults use and why (`--draft auto`), for the stats
+    draft_candidate: bool = False  # the draft is `--draft auto`'s candidate: policy/drafter.py may run lookup instead
     draft_quant: str | None = None  # the quantization asked for the draft model (int8, int4), if any
     draft_copies_target: bool = False  # the draft is the target's own copy (--draft self): the same KV layout
     head: torch.nn.Module | None = None  # an EAGLE-style draft head (eagle.py), or None
@@ -307,16 +309,17 @@ def _choose_auto(pair: ModelPair, device: str, tp_size: int, draft_vocab) -> str
     why = auto_refusal(pair.target, device, tp_size)
     if why and draft_vocab not in (None, vocab.FULL):
         raise BatchspecError(f"--draft-vocab needs a draft model, and {why}")
-    pair.drafter = why or "auto: the target's own int4 copy (proposer draft)"
+    pair.drafter = why or "auto: lookup or the target's own int4 copy, chosen from measured costs"
+    pair.draft_candidate = why is None
     return None if why else SELF
 
 
 def auto_refusal(target: torch.nn.Module, device: str, tp_size: int) -> str | None:
     """Why `--draft auto` runs no draft model beside `target` (then lookup alone), or None: build
-    the target's own int4 copy. Its int4 products are CPU kernels that compute in bfloat16, fast
-    only where the CPU has bfloat16 units; on a GPU an unquantized copy reads as many bytes as the
-    target. Its bytes (about 0.63 a weight, the LM head one) must be at most AUTO_MEMORY_SHARE of
-    the memory available."""
+    the target's own int4 copy as a candidate (whether it pays is measured: policy/drafter.py). Its
+    int4 products are CPU kernels; on a GPU an unquantized copy reads as many bytes as the target.
+    Its bytes (about 0.63 a weight, the LM head one) must be at most AUTO_MEMORY_SHARE of the memory
+    available."""
     import psutil
 
     prefix = "auto: lookup alone"
@@ -324,8 +327,6 @@ def auto_refusal(target: torch.nn.Module, device: str, tp_size: int) -> str | No
         return f"{prefix} (on {device} a copy of the target would read as many bytes as the target)"
     if tp_size > 1:
         return f"{prefix} (--tp: a self-draft would copy one rank's shard)"
-    if not cpu_has_bf16():
-        return f"{prefix} (this CPU has no bfloat16 units: int4 products would be slower than the target's)"
     head = target.get_output_embeddings()
     linears = [m for m in target.modules() if isinstance(m, torch.nn.Linear) and m is not head]
     need = 0.63 * sum(m.weight.numel() for m in linears) + (head.weight.numel() if head is not None else 0)

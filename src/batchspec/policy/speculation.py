@@ -51,8 +51,8 @@ import torch
 from ..core import diskcache, tree
 from ..core.config import AUTO_K_MAX, EngineConfig
 from ..distributed import tp
-from ..models import linears
 from .costmodel import StepCost, from_disk, probe, sync
+from .drafter import COPY_ACCEPT, prepare_linears
 
 #: Forgetting of the acceptance counts per observation of a cell (memory of about 1 / TABLE_RATE).
 TABLE_RATE = 0.03
@@ -370,9 +370,12 @@ class Adaptive(Speculation):
     def _estimate(self) -> None:
         """table [bins, k_max] and any_bin [k_max] from the decayed counts: each cell's rate,
         shrunk towards the cell before it (the first towards the prior) by PSEUDO observations, so
-        a position never tested yet is expected to do as the one before it."""
+        a position never tested yet is expected to do as the one before it. The prior of any bin
+        is the bins' mean, or for the target's own copy its measured agreement (drafter.py: the
+        estimate that chose it), so it drafts from the first step instead of after exploring."""
         self.table = _shrunk(self.hits, self.seen, self.prior)
-        any_prior = torch.tensor([float(self.prior.mean())], dtype=torch.float64)
+        first = COPY_ACCEPT if self.proposer.kv_from_target else float(self.prior.mean())  # the target's own copy
+        any_prior = torch.tensor([first], dtype=torch.float64)
         self.any_bin = _shrunk(self.hits.sum(0, keepdim=True), self.seen.sum(0, keepdim=True), any_prior)[0]
 
     def _columns(self, width: int) -> int:
@@ -447,10 +450,7 @@ def timed(device) -> float:
 def make_speculation(config: EngineConfig, target, proposer):
     """`Fixed(k)`, or `Adaptive` for k = "auto" (probes the costs of a batch of `batch_size` rows).
     First the models' linear layers measure every row count a step can feed them (linears.py)."""
-    rows = config.batch_size * (config.k_max + 1)
-    for model, most in ((target, max(rows, linears.LARGE)), (None if proposer is None else proposer.model, rows)):
-        if model is not None:  # the target's prefill chunks reach the largest bucket
-            linears.prepare(model, most)
+    prepare_linears(config, target, None if proposer is None else proposer.model)
     if config.k == "auto" and proposer is not None:
         return Adaptive(target, proposer, config.batch_size, config.k_max)
     return Fixed(config.k_max)

@@ -13,12 +13,16 @@ from .lookup_first import LookupFirst
 from .ngram import NgramProposer
 
 
-def make_proposer(pair: ModelPair, config: EngineConfig) -> tuple[Proposer | None, str | None]:
+def make_proposer(
+    pair: ModelPair, config: EngineConfig, chosen: str | None = None
+) -> tuple[Proposer | None, str | None]:
     """(the proposer of `config` for `pair`, its name); (None, None) for a method that does not
-    speculate. Refuses, with a message naming the fix, a proposer the pair or method cannot run."""
+    speculate. Where `config` names none: `chosen` (policy/drafter.py's choice for `--draft auto`),
+    else the pair's default. Refuses, with a message naming the fix, a proposer the pair or method
+    cannot run."""
     if not config.speculative:
         return None, None
-    name = config.proposer or pair.default_proposer
+    name = config.proposer or chosen or pair.default_proposer
     if pair.draft_quant is not None and model_proposer(name) != "draft":
         default = " (the pair's default)" if config.proposer is None else ""
         raise BatchspecError(

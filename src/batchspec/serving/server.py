@@ -41,6 +41,7 @@ from ..engine.online import Request as EngineRequest
 from ..engine.step import Context
 from ..engine.threads import SPIN_ROWS, EngineThread
 from ..models import invariant
+from ..policy import drafter
 from ..policy.speculation import prepare
 from ..proposers.make import make_proposer
 from . import access
@@ -435,7 +436,8 @@ def _on_loading_thread(config: ServeConfig, worker: EngineThread, fn, *args):
 def _build_service(config: ServeConfig, worker: EngineThread) -> Service:
     pair = config.models.load()
     invariant.apply(pair.target, config.engine.batch_invariant)
-    proposer, _ = (None, None) if config.no_spec else make_proposer(pair, config.engine)
+    chosen, why = (None, None) if config.no_spec else drafter.choose(pair, config.engine)
+    proposer, _ = (None, None) if config.no_spec else make_proposer(pair, config.engine, chosen)
     speculation, report = prepare(config.engine, pair.target, proposer)  # from the cache where it has them
     ctx = Context.of(pair, proposer, config.k, speculation)
     budget = config.kv_budget(pair.context_len)
@@ -466,5 +468,5 @@ def _build_service(config: ServeConfig, worker: EngineThread) -> Service:
         engine.matcher_of = pair.matcher
     service = Service(engine, pair, config.served_model_name or pair.name, lock)
     service.policy = config.access
-    service.startup = pair.startup | report
+    service.startup = pair.startup | report | ({"drafter": why} if why else {})
     return service

@@ -94,7 +94,8 @@ def run_one(pair, prompts, method, batch, k, branches, mode, params, proposer, o
             decoders[key] = dec
     with PeakMemory(pair.device) as mem:
         dec.generate(prompts, params)
-    return dec.stats.summary() | mem.summary() | {"proposer": dec.proposer_name}
+    drafter = {"drafter": dec.startup["drafter"]} if dec.proposer and "drafter" in dec.startup else {}  # --draft auto's
+    return dec.stats.summary() | mem.summary() | {"proposer": dec.proposer_name} | drafter
 
 
 def bench(
@@ -186,6 +187,7 @@ def _summarise(method, batch, k, branches, mode, samples, costs, has_draft) -> d
         "kv_peak_bytes",
         "group_rate",
         "proposer",
+        "drafter",
         "speculation",
     )
     return (

@@ -1,0 +1,97 @@
+"""`--draft auto`: lookup alone or the target's own quantized copy, chosen from measured costs.
+
+A pair loaded with `--draft auto` brings the copy as a candidate (`ModelPair.draft_candidate`);
+unless `--proposer` names one, the decoder and the server ask `choose` which proposer to run. The
+costs are those `-k auto` probes anyway (costmodel.probe, kept in the tuning cache): the target's
+forward of q tokens a row, t_q, and the copy's one-token forward, c, at the batch's rows. Each
+candidate's expected rate, as a multiple of plain decoding's:
+
+    copy:   max over q = 2 .. k_max + 1 of  E(q) t_1 / (t_q + (q - 1) c),   E(q) = 1 + a + ... + a^(q-1)
+    lookup: LOOKUP_GAIN
+
+with a = COPY_ACCEPT. Both are acceptances measured before (docs/benchmarks.md, "The drafter a
+user's model gets"), not on the user's text: what this step measures is the costs, which decide
+the choice on a CPU (an int4 product is fast with bfloat16 units and slow without; a copy of a
+small target costs most of a target step). The larger runs; `-k auto` then decides every step
+whether to draft at all, so a wrong guess costs at most the k = 0 floor's exploring steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core import tree
+from ..core.config import EngineConfig
+from ..models import linears
+from .costmodel import StepCost, probe
+
+#: Conditional acceptance of the target's own int4 copy's drafts (groups of 32: 95.8% agreement
+#: teacher-forced on Spec-Bench, about 5 tokens a step at one row), taken lower for harder text.
+COPY_ACCEPT = 0.9
+#: Prompt lookup's rate over plain decoding under -k auto on Spec-Bench, paired benches of the
+#: built-in target as a user's GGUF (1.07-1.44x at one row, 0.98-1.15x at four, on two CPUs): the
+#: bar the copy's estimate must clear. A copy estimated near it drafted little at four rows (1.00-1.05
+#: tokens a step) and ran 0.96x of lookup (docs/benchmarks.md).
+LOOKUP_GAIN = 1.15
+#: The attended span the costs are read at: a chat prompt and its answer.
+SPAN = 256
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds of the target's forward of q tokens a row, `verify[q - 1]` (q = 1 .. k_max + 1), and
+    of the copy's one-token forward `draft`, at the same rows and span."""
+
+    verify: tuple[float, ...]
+    draft: float
+
+
+def copy_gain(costs: Costs, accept: float = COPY_ACCEPT) -> tuple[float, int]:
+    """(the copy's best expected rate over plain decoding, the width q that gives it); (1.0, 1)
+    where no width beats a plain step."""
+    plain, best = costs.verify[0], (1.0, 1)
+    for q in range(2, len(costs.verify) + 1):
+        tokens = sum(accept**j for j in range(q))
+        gain = tokens * plain / (costs.verify[q - 1] + (q - 1) * costs.draft)
+        best = max(best, (gain, q))
+    return best
+
+
+def decide(costs: Costs) -> tuple[str, str]:
+    """(the proposer to run, "draft" or "ngram"; why, for the start-up report) from `costs`."""
+    gain, q = copy_gain(costs)
+    ms = f"a forward of the copy {1e3 * costs.draft:.1f} ms, a plain step {1e3 * costs.verify[0]:.1f} ms"
+    if gain > LOOKUP_GAIN:
+        return "draft", f"auto: the target's own copy (measured: {ms}; {gain:.2f}x expected at width {q})"
+    return "ngram", f"auto: lookup alone (measured: {ms}; the copy at best {gain:.2f}x, lookup {LOOKUP_GAIN}x)"
+
+
+def measure(config: EngineConfig, target, draft) -> Costs:
+    """The costs at `config`'s rows, from the probes `-k auto` takes (or the tuning cache)."""
+    rows = config.batch_size
+    columns = 1 + tree.columns(config.branches, config.k_max)
+    prepare_linears(config, target, draft)
+    verify = StepCost(probe(target, rows, columns))
+    return Costs(
+        tuple(verify(rows, q, SPAN) for q in range(1, columns + 1)), StepCost(probe(draft, rows, 1))(rows, 1, SPAN)
+    )
+
+
+def choose(pair, config: EngineConfig) -> tuple[str | None, str | None]:
+    """(proposer name, why) for a pair whose draft is a candidate and a config that names no
+    proposer; (None, None) otherwise (the pair's default runs), or (None, why) where the config
+    names one (it runs, as asked)."""
+    if not pair.draft_candidate or not config.speculative:
+        return None, None
+    if config.proposer is not None:
+        return None, f"auto: --proposer {config.proposer} as asked (beside the target's own int4 copy)"
+    return decide(measure(config, pair.target, pair.draft))
+
+
+def prepare_linears(config: EngineConfig, target, draft) -> None:
+    """The models' linear layers measure every row count a step can feed them (linears.py) before
+    any forward is timed: the target's prefill chunks reach the largest bucket."""
+    rows = config.batch_size * (config.k_max + 1)
+    for model, most in ((target, max(rows, linears.LARGE)), (draft, rows)):
+        if model is not None:
+            linears.prepare(model, most)
