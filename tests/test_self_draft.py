@@ -246,6 +246,43 @@ def test_bench_chooses_per_batch_size_and_reports_the_choice(monkeypatch, tmp_pa
     assert runs[3]["proposer"] == "ngram" and runs[3]["drafter"].startswith("auto: lookup alone")
 
 
+def test_the_copys_measured_acceptance_revises_the_choice():
+    costs = _fake_costs(copy_pays=True)  # chosen at the guessed 0.9: about 2x a plain step
+    assert drafter.revise(costs, drafter.REVISE_AFTER - 1, 0.1) is None  # too few drafts tested to say
+    assert drafter.revise(costs, 500, 0.9) is None
+    why = drafter.revise(costs, 500, 0.3)  # 0.3: the copy at best 1.08x, under lookup's bar
+    assert why.startswith("auto: lookup alone, switched from the copy after 500 drafts accepted at 0.30")
+
+
+@pytest.mark.parametrize("accepted", [0.3, 0.95])
+def test_a_decoder_switches_to_lookup_when_the_copy_is_accepted_too_rarely(monkeypatch, accepted):
+    """After a run with the copy, the acceptance the policy measured replaces the guess: at 0.3 the
+    next run uses lookup alone (and says why), at 0.95 the copy stays; every run is exact."""
+    from batchspec.policy.speculation import Adaptive
+
+    _user_target(monkeypatch)
+    pair = load_pair(target="user-model", draft="auto", dtype="float32")
+    monkeypatch.setattr(drafter, "measure", lambda *a: _fake_costs(copy_pays=True))
+    monkeypatch.setattr(Adaptive, "acceptance", lambda self: (200.0, accepted))
+    dec = SpecDecoder(pair, method="ragged", batch_size=3, k="auto")
+    prompts = random_prompts(7, 3, 4, 30)
+    for run in range(2):
+        ran = dec.proposer_name
+        got = dec.generate(prompts, SamplingParams(max_new_tokens=16))
+        assert [o.token_ids for o in got] == reference_tokens(pair, prompts, 16)
+        assert ran == ("draft" if run == 0 or accepted > 0.5 else "ngram")
+    assert dec.startup["drafter"].startswith("auto: lookup alone, switched" if accepted < 0.5 else "auto: the target's")
+
+
+def test_the_policy_reports_the_acceptance_it_learned(tiny64):
+    from batchspec.policy.speculation import Adaptive, Fixed
+
+    policy = Adaptive(tiny64.target, types.SimpleNamespace(model=None, bins=2, branches=1, kv_from_target=False), 4)
+    assert policy.acceptance() == (0.0, 0.0) and Fixed(3).acceptance() == (0.0, 0.0)
+    policy.seen[1, 0], policy.hits[1, 0], policy.seen[0, 1], policy.hits[0, 1] = 6.0, 3.0, 2.0, 1.0
+    assert policy.acceptance() == (8.0, 0.5)
+
+
 @pytest.mark.parametrize("asked", ["draft", "ngram", "ngram+draft"])
 def test_an_explicit_proposer_is_never_overridden_by_the_choice(monkeypatch, asked):
     _user_target(monkeypatch)

@@ -40,11 +40,13 @@ class SpecDecoder:
         if config is not None and config_kw:
             raise BatchspecError("give either an EngineConfig or keyword options, not both")
         self._apply_mode()
-        chosen, why = drafter.choose(pair, self.config)  # `--draft auto`: lookup or the copy, measured
-        self.proposer, self.proposer_name = make_proposer(pair, self.config, chosen)
+        self.choice = drafter.choose(pair, self.config)  # `--draft auto`: lookup or the copy, measured
+        self.proposer, self.proposer_name = make_proposer(pair, self.config, self.choice and self.choice.proposer)
         self.stats = Stats(device=str(pair.device))
         self.speculation = None  # built on first use: `auto` probes the machine's costs
-        self.startup = dict(pair.startup) | ({"drafter": why} if why else {})  # load_s, weights; tuning_s, ...
+        self.startup = dict(pair.startup)  # load_s, weights; tuning_s, tuning once measured
+        if self.choice is not None:
+            self.startup["drafter"] = self.choice.why
 
     @classmethod
     def from_pretrained(cls, pair=None, target=None, draft=None, dtype="float32", device=None, **config_kw):
@@ -118,7 +120,19 @@ class SpecDecoder:
             self.stats.extra["speculation"] = described
         unfinished = [s.index for s in seqs if not s.finished]
         assert not unfinished, f"method {cfg.method} left sequences unfinished: {unfinished}"
+        self._revise_drafter()
         return self.stats
+
+    def _revise_drafter(self) -> None:
+        """`--draft auto` chose the copy: where its drafts' acceptance on these prompts says lookup
+        pays more (drafter.revise), the next run uses lookup alone."""
+        if self.choice is None or self.choice.costs is None or self.proposer_name != "draft":
+            return
+        why = drafter.revise(self.choice.costs, *self.speculation.acceptance())
+        if why is not None:
+            self.choice = drafter.Choice("ngram", why)
+            self.proposer, self.proposer_name = make_proposer(self.pair, self.config, "ngram")
+            self.speculation, self.startup["drafter"] = None, why
 
     def _apply_mode(self) -> None:
         """Put the target under the batch-invariant mode or take it out, as the config says."""

@@ -13,7 +13,9 @@ with a = COPY_ACCEPT. Both are acceptances measured before (docs/benchmarks.md, 
 user's model gets"), not on the user's text: what this step measures is the costs, which decide
 the choice on a CPU (an int4 product is fast with bfloat16 units and slow without; a copy of a
 small target costs most of a target step). The larger runs; `-k auto` then decides every step
-whether to draft at all, so a wrong guess costs at most the k = 0 floor's exploring steps.
+whether to draft at all, so a wrong guess costs at most the k = 0 floor's exploring steps. After a
+run with the copy, the acceptance its drafts met on the user's prompts replaces the guess
+(`revise`): where the copy's estimate then falls to lookup's, the decoder's next run uses lookup.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ COPY_ACCEPT = 0.9
 LOOKUP_GAIN = 1.15
 #: The attended span the costs are read at: a chat prompt and its answer.
 SPAN = 256
+#: Drafts the copy must have had tested (the policy's decayed count) before the acceptance measured
+#: on the user's prompts replaces COPY_ACCEPT in the choice (`revise`).
+REVISE_AFTER = 64
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,16 @@ def copy_gain(costs: Costs, accept: float = COPY_ACCEPT) -> tuple[float, int]:
     return best
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What `choose` chose: the proposer to run (None: the one the config names), why, and the
+    costs it was chosen from (None where nothing was measured)."""
+
+    proposer: str | None
+    why: str
+    costs: Costs | None = None
+
+
 def decide(costs: Costs) -> tuple[str, str]:
     """(the proposer to run, "draft" or "ngram"; why, for the start-up report) from `costs`."""
     gain, q = copy_gain(costs)
@@ -77,15 +92,30 @@ def measure(config: EngineConfig, target, draft) -> Costs:
     )
 
 
-def choose(pair, config: EngineConfig) -> tuple[str | None, str | None]:
-    """(proposer name, why) for a pair whose draft is a candidate and a config that names no
-    proposer; (None, None) otherwise (the pair's default runs), or (None, why) where the config
-    names one (it runs, as asked)."""
+def choose(pair, config: EngineConfig) -> Choice | None:
+    """The proposer to run for a pair whose draft is a candidate, measured, where the config names
+    none (a Choice of None where it does: it runs, as asked); None for any other pair."""
     if not pair.draft_candidate or not config.speculative:
-        return None, None
+        return None
     if config.proposer is not None:
-        return None, f"auto: --proposer {config.proposer} as asked (beside the target's own int4 copy)"
-    return decide(measure(config, pair.target, pair.draft))
+        return Choice(None, f"auto: --proposer {config.proposer} as asked (beside the target's own int4 copy)")
+    costs = measure(config, pair.target, pair.draft)
+    return Choice(*decide(costs), costs)
+
+
+def revise(costs: Costs, tested: float, accepted: float) -> str | None:
+    """After a run with the copy: why to switch to lookup alone, where the copy's drafts `tested`
+    (at least REVISE_AFTER) were accepted at a rate `accepted` that leaves its estimate at or under
+    lookup's; else None (keep it). One way: lookup's runs measure nothing of the copy."""
+    if tested < REVISE_AFTER:
+        return None
+    gain, _ = copy_gain(costs, accepted)
+    if gain > LOOKUP_GAIN:
+        return None
+    return (
+        f"auto: lookup alone, switched from the copy after {tested:.0f} drafts accepted at {accepted:.2f} "
+        f"(the copy then {gain:.2f}x, lookup {LOOKUP_GAIN}x)"
+    )
 
 
 def prepare_linears(config: EngineConfig, target, draft) -> None:

@@ -117,6 +117,11 @@ class Speculation(Protocol):
         """What the policy measured and learned, for the run's stats (None: nothing to say)."""
         ...
 
+    def acceptance(self) -> tuple[float, float]:
+        """(drafts tested, the share of them accepted), as the policy has learned them (0, 0: it
+        learns none)."""
+        return 0.0, 0.0
+
     def warmed(self, tokens: int, seconds: float) -> None:
         """The layout fed the proposer `tokens` tokens of rows it lacked (`Layout.warm`) in `seconds`."""
         return None
@@ -315,6 +320,11 @@ class Adaptive(Speculation):
                 ratio = (float(got[b]) + 0.5) / (e + 0.5)
                 r_b = self.ratio.get(seq, 1.0)
                 self.ratio[seq] = min(2.0, max(0.25, r_b + ROW_RATE * (ratio - r_b)))
+
+    def acceptance(self) -> tuple[float, float]:
+        """(drafts tested, the share accepted), over every bin and position's decayed counts."""
+        seen = float(self.seen.sum())
+        return seen, float(self.hits.sum()) / seen if seen else 0.0
 
     def describe(self) -> dict:
         """What the policy measured and learned (JSON-ready): the fitted costs per width q in ms,

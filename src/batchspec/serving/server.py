@@ -436,8 +436,8 @@ def _on_loading_thread(config: ServeConfig, worker: EngineThread, fn, *args):
 def _build_service(config: ServeConfig, worker: EngineThread) -> Service:
     pair = config.models.load()
     invariant.apply(pair.target, config.engine.batch_invariant)
-    chosen, why = (None, None) if config.no_spec else drafter.choose(pair, config.engine)
-    proposer, _ = (None, None) if config.no_spec else make_proposer(pair, config.engine, chosen)
+    choice = None if config.no_spec else drafter.choose(pair, config.engine)
+    proposer, _ = (None, None) if config.no_spec else make_proposer(pair, config.engine, choice and choice.proposer)
     speculation, report = prepare(config.engine, pair.target, proposer)  # from the cache where it has them
     ctx = Context.of(pair, proposer, config.k, speculation)
     budget = config.kv_budget(pair.context_len)
@@ -468,5 +468,5 @@ def _build_service(config: ServeConfig, worker: EngineThread) -> Service:
         engine.matcher_of = pair.matcher
     service = Service(engine, pair, config.served_model_name or pair.name, lock)
     service.policy = config.access
-    service.startup = pair.startup | report | ({"drafter": why} if why else {})
+    service.startup = pair.startup | report | ({"drafter": choice.why} if choice else {})
     return service

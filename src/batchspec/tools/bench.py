@@ -92,10 +92,12 @@ def run_one(pair, prompts, method, batch, k, branches, mode, params, proposer, o
         dec = SpecDecoder(pair, config)
         if decoders is not None:
             decoders[key] = dec
+    ran = {"proposer": dec.proposer_name}  # before the run: after it `--draft auto` may switch (decoder.py)
+    if dec.proposer is not None and "drafter" in dec.startup:
+        ran["drafter"] = dec.startup["drafter"]
     with PeakMemory(pair.device) as mem:
         dec.generate(prompts, params)
-    drafter = {"drafter": dec.startup["drafter"]} if dec.proposer and "drafter" in dec.startup else {}  # --draft auto's
-    return dec.stats.summary() | mem.summary() | {"proposer": dec.proposer_name} | drafter
+    return dec.stats.summary() | mem.summary() | ran
 
 
 def bench(
