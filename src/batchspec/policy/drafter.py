@@ -27,13 +27,14 @@ from ..core.config import EngineConfig
 from ..models import linears
 from .costmodel import StepCost, probe
 
-#: Conditional acceptance of the target's own int4 copy's drafts (groups of 32: 95.8% agreement
-#: teacher-forced on Spec-Bench, about 5 tokens a step at one row), taken lower for harder text.
+#: Conditional acceptance of the target's own int4 copy's drafts (in groups of 32 it keeps the int8
+#: copy's 95.8% agreement, teacher-forced on Spec-Bench; about 5 tokens a step at one row), taken
+#: lower for harder text.
 COPY_ACCEPT = 0.9
 #: Prompt lookup's rate over plain decoding under -k auto on Spec-Bench, paired benches of the
 #: built-in target as a user's GGUF (1.07-1.44x at one row, 0.98-1.15x at four, on two CPUs): the
-#: bar the copy's estimate must clear. A copy estimated near it drafted little at four rows (1.00-1.05
-#: tokens a step) and ran 0.96x of lookup (docs/benchmarks.md).
+#: bar the copy's estimate must clear. A copy estimated near it drafted little at four rows (1.05
+#: tokens a step): 1.07x `ar` against lookup's 1.15x (docs/benchmarks.md).
 LOOKUP_GAIN = 1.15
 #: The attended span the costs are read at: a chat prompt and its answer.
 SPAN = 256
