@@ -283,6 +283,25 @@ def test_the_policy_reports_the_acceptance_it_learned(tiny64):
     assert policy.acceptance() == (8.0, 0.5)
 
 
+@pytest.mark.parametrize("copy_pays", [True, False])
+def test_a_server_runs_what_the_measured_costs_choose(monkeypatch, copy_pays):
+    """`batchspec serve --target T` builds its engine with the proposer the costs choose, and its
+    start-up report says which (a server keeps its first choice)."""
+    from batchspec.models.pair import PairSpec
+    from batchspec.serving import server
+    from batchspec.serving.config import ServeConfig
+
+    _user_target(monkeypatch)
+    monkeypatch.setattr(drafter, "measure", lambda *a: _fake_costs(copy_pays))
+    service = server.build_service(ServeConfig(models=PairSpec(target="user-model", draft="auto")))
+    try:
+        proposer = service.engine.ctx.proposer
+        assert (proposer.model is service.pair.draft) == copy_pays and (proposer.model is None) != copy_pays
+        assert service.startup["drafter"].startswith("auto: the target's own copy" if copy_pays else "auto: lookup")
+    finally:
+        service.engine.shutdown()
+
+
 @pytest.mark.parametrize("asked", ["draft", "ngram", "ngram+draft"])
 def test_an_explicit_proposer_is_never_overridden_by_the_choice(monkeypatch, asked):
     _user_target(monkeypatch)
