@@ -213,7 +213,7 @@ class CompiledDecoder:
             def lazy(stack=stack, options=options):
                 return torch.compile(stack, backend=self.backend, dynamic=True, fullgraph=True, options=options)
 
-            tag = self.weights_tag if self.freeze else None  # the weights as frozen now: `frozen`
+            tag = self.weights_tag if self.freeze else None  # the digest of the weights `frozen` took
             if self.freeze and self.backend == "inductor":  # a package on disk, else inductor's cache
                 _plain_weight_packing()
                 found = packaged.Packaged(stack, one, tag, options, functools.partial(_frozen, lazy, tag))
@@ -243,13 +243,17 @@ class CompiledDecoder:
         return all(packaged.cached(stack, one, self.weights_tag, self.options) for one in (True, False))
 
     @functools.cached_property
-    def weights_tag(self) -> str:
-        """The frozen graphs' cache key tag: a digest of the decoder's weights (every graph's stack
-        holds the same ones), made once, when they are frozen: `frozen` holds their versions then,
-        which every frozen graph's call checks (`_unchanged`), so no graph ever freezes weights
-        other than the ones the tag names."""
+    def frozen(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The decoder's weights (every graph's stack holds the same ones) and their versions, taken
+        once, when they are first frozen: every frozen graph's call checks them (`_unchanged`)."""
         weights = list(self.stack.parameters())
-        self.frozen = (weights, [w._version for w in weights])
+        return weights, [w._version for w in weights]
+
+    @functools.cached_property
+    def weights_tag(self) -> str:
+        """The frozen graphs' cache key tag: a digest of the weights `frozen` took, so no graph
+        ever freezes weights other than the ones the tag names."""
+        weights, _ = self.frozen
         return f"batchspec-frozen-{_digest(weights)}"
 
     @property

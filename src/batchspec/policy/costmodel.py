@@ -25,7 +25,9 @@ import torch
 
 from ..cache import kv, slots
 from ..core import diskcache
+from ..core.config import EngineConfig
 from ..distributed import tp
+from ..models import linears
 from ..models.eagle import EagleHead
 
 #: Weight of one timed step in the load factor (every width) and in its width's scale; their bounds
@@ -271,3 +273,12 @@ def _measure(model, rows: int, q_max: int, spans: tuple[int, int], stop=None) ->
                 return None
             best[p] = min(best[p], time_forward(model, *p, warmup=False))
     return [(b, q, s, best[(b, q, s)]) for b, q, s in points]
+
+
+def prepare_linears(config: EngineConfig, target, draft) -> None:
+    """The models' linear layers measure every row count a step can feed them (linears.py) before
+    any forward is timed: the target's prefill chunks reach the largest bucket."""
+    rows = config.batch_size * (config.k_max + 1)
+    for model, most in ((target, max(rows, linears.LARGE)), (draft, rows)):
+        if model is not None:
+            linears.prepare(model, most)

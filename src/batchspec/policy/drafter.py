@@ -2,7 +2,8 @@
 
 A pair loaded with `--draft auto` brings the copy as a candidate (`ModelPair.draft_candidate`);
 unless `--proposer` names one, the decoder and the server ask `choose` which proposer to run. The
-costs are those `-k auto` probes anyway (costmodel.probe, kept in the tuning cache): the target's
+costs are those `-k auto` probes anyway (costmodel.probe, kept in the tuning cache; with a fixed k
+they are probed for the choice alone, and the copy's estimate still takes its best width): the target's
 forward of q tokens a row, t_q, and the copy's one-token forward, c, at the batch's rows. Each
 candidate's expected rate, as a multiple of plain decoding's:
 
@@ -24,8 +25,7 @@ from dataclasses import dataclass
 
 from ..core import tree
 from ..core.config import EngineConfig
-from ..models import linears
-from .costmodel import StepCost, probe
+from .costmodel import StepCost, prepare_linears, probe
 
 #: Conditional acceptance of the target's own int4 copy's drafts (in groups of 32 it keeps the int8
 #: copy's 95.8% agreement, teacher-forced on Spec-Bench; about 5 tokens a step at one row), taken
@@ -117,12 +117,3 @@ def revise(costs: Costs, tested: float, accepted: float) -> str | None:
         f"auto: lookup alone, switched from the copy after {tested:.0f} drafts accepted at {accepted:.2f} "
         f"(the copy then {gain:.2f}x, lookup {LOOKUP_GAIN}x)"
     )
-
-
-def prepare_linears(config: EngineConfig, target, draft) -> None:
-    """The models' linear layers measure every row count a step can feed them (linears.py) before
-    any forward is timed: the target's prefill chunks reach the largest bucket."""
-    rows = config.batch_size * (config.k_max + 1)
-    for model, most in ((target, max(rows, linears.LARGE)), (draft, rows)):
-        if model is not None:
-            linears.prepare(model, most)

@@ -51,8 +51,8 @@ import torch
 from ..core import diskcache, tree
 from ..core.config import AUTO_K_MAX, EngineConfig
 from ..distributed import tp
-from .costmodel import StepCost, from_disk, probe, sync
-from .drafter import COPY_ACCEPT, prepare_linears
+from .costmodel import StepCost, from_disk, prepare_linears, probe, sync
+from .drafter import COPY_ACCEPT
 
 #: Forgetting of the acceptance counts per observation of a cell (memory of about 1 / TABLE_RATE).
 TABLE_RATE = 0.03
