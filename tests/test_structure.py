@@ -146,7 +146,7 @@ def test_method_flags_drive_the_config():
     assert EngineConfig(method="ragged").speculative is True
     with pytest.raises(BatchspecError, match="unknown method 'fast'; choose one of reference, ar"):
         EngineConfig(method="fast")
-    assert {m.name for m in methods.METHODS.values() if m.admits_rows} == {"exspec", "ragged"}
+    assert {m.name for m in methods.METHODS.values() if m.admits_rows} == {"ar", "exspec", "ragged"}
     assert {m.name for m in methods.METHODS.values() if m.broken} == {"bsp", "dsd"}
 
 

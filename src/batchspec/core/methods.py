@@ -42,7 +42,14 @@ class Method:
 
 _TABLE = (
     Method("reference", "runners.reference:run", "the target alone, one sequence at a time: the oracle", False, False),
-    Method("ar", "runners.static:run_ar", "plain batched decoding (static batches, no speculation)", False, True),
+    Method(
+        "ar",
+        "runners.ragged:run",
+        "plain batched decoding: the ragged layout's continuous batching, no speculation",
+        False,
+        True,
+        True,
+    ),
     Method("spec1", "runners.static:run_spec1", "speculative decoding one sequence at a time", True, False),
     Method(
         "eqspec", "runners.static:run_eqspec", "padded batch, unpad-append-repad realignment every step", True, True

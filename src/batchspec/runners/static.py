@@ -1,9 +1,10 @@
-"""Static batches: `ar`, `spec1` and `eqspec` (and the broken baselines' loop).
+"""Static batches: `spec1` and `eqspec` (and the broken baselines' loop).
 
 B sequences are prefilled together and stepped until every row has finished (finished rows leave
 the batch at once), then the next B are taken. Batches are formed from prompts sorted by length
 and prefilled in length buckets, so one long prompt does not pad every row to its length; outputs
-keep the input order. `ar` is the same loop with k = 0 (no proposer).
+keep the input order. (`ar`, plain decoding, runs the ragged layout's continuous batching with
+no proposer: ragged.py.)
 """
 
 from __future__ import annotations
@@ -43,11 +44,6 @@ def run_static(ctx: Context, seqs: list[Sequence], batch_size: int, batch_cls: t
         batch = start_bucketed(ctx, rows) if batch_cls is PaddedBatch else start(ctx, rows, batch_cls)
         while len(batch):
             decode_step(ctx, batch)
-
-
-def run_ar(ctx: Context, seqs: list[Sequence], config) -> None:
-    """Plain batched decoding: the engine gives `ar` no proposer and k = 0."""
-    run_static(ctx, seqs, config.batch_size)
 
 
 def run_eqspec(ctx: Context, seqs: list[Sequence], config) -> None:
