@@ -1,6 +1,6 @@
 """The `ragged` method offline: every request known up front, admitted into a ragged batch
 (layouts/ragged.py) by the engine loop the server runs too. `ar` runs the same with no proposer
-(plain decoding with continuous batching: at 16 rows 1.26-1.38x the static padded batches it ran
+(plain decoding with continuous batching: at 16 rows 1.22-1.38x the static padded batches it ran
 before, the same tokens; docs/benchmarks.md)."""
 
 from __future__ import annotations
