@@ -274,6 +274,54 @@ def test_a_decoder_switches_to_lookup_when_the_copy_is_accepted_too_rarely(monke
     assert dec.startup["drafter"].startswith("auto: lookup alone, switched" if accepted < 0.5 else "auto: the target's")
 
 
+def test_a_fixed_k_prices_the_copy_at_the_width_it_verifies():
+    """Under -k auto the copy's estimate is its best width's; a fixed k verifies k + 1 tokens every
+    step, so its estimate is that width's alone, even where another would pay (and that one does not)."""
+    verify, draft = (0.04, 0.044, 0.048, 0.052, 0.056, 0.16), 0.004
+    best, q = drafter.copy_gain(drafter.Costs(verify, draft))
+    assert q == 5 and best > drafter.LOOKUP_GAIN
+    assert drafter.copy_gain(drafter.Costs(verify, draft, fixed=5)) == (best, 5)
+    wide, q = drafter.copy_gain(drafter.Costs(verify, draft, fixed=6))  # a verify of 6 costs 4 plain steps
+    assert q == 6 and wide < drafter.LOOKUP_GAIN < best
+    assert drafter.decide(drafter.Costs(verify, draft, fixed=6))[0] == "ngram"
+    assert drafter.decide(drafter.Costs(verify, draft, fixed=5))[0] == "draft"
+
+
+def test_a_copy_the_policy_hardly_drafts_with_is_idle():
+    assert drafter.idle({0: drafter.REVISE_AFTER - 1}) is None  # too few row-steps to say
+    assert drafter.idle({0: 90, 2: 10}) is not None  # drafted in a tenth: the policy's exploring
+    assert drafter.idle({0: 80, 3: 20}) is None
+    assert drafter.idle({0: 200}).startswith("auto: lookup alone, switched from the copy after -k auto drafted")
+
+
+@pytest.mark.parametrize("drafts", [False, True])
+def test_a_decoder_switches_to_lookup_when_the_policy_never_drafts_with_the_copy(monkeypatch, drafts):
+    """A run in which -k auto drafted with the copy in no row-step (its plan patched to 0) learns no
+    acceptance, and the next run uses lookup alone, saying why; one that drafted keeps the copy.
+    Every run is exact."""
+    from batchspec.policy.speculation import Adaptive
+
+    _user_target(monkeypatch)
+    pair = load_pair(target="user-model", draft="auto", dtype="float32")
+    monkeypatch.setattr(drafter, "measure", lambda *a: _fake_costs(copy_pays=True))
+    monkeypatch.setattr(Adaptive, "plan", lambda self, batch: 2 if drafts else 0)
+    monkeypatch.setattr(Adaptive, "stop_rule", lambda self, batch, started: None)
+    monkeypatch.setattr(Adaptive, "choose", lambda self, batch, proposal, started: proposal.drafts.shape[1])
+    monkeypatch.setattr(Adaptive, "acceptance", lambda self: (0.0, 0.0))  # revise has nothing to go on
+    dec = SpecDecoder(pair, method="ragged", batch_size=3, k="auto")
+    prompts = random_prompts(8, 4, 4, 30)
+    for run in range(2):
+        ran = dec.proposer_name
+        got = dec.generate(prompts, SamplingParams(max_new_tokens=24))
+        assert [o.token_ids for o in got] == reference_tokens(pair, prompts, 24)
+        assert ran == ("draft" if run == 0 or drafts else "ngram")
+    if drafts:
+        assert dec.startup["drafter"].startswith("auto: the target's own copy")
+    else:
+        assert sum(dec.stats.chosen_k.values()) >= drafter.REVISE_AFTER
+        assert "switched from the copy after -k auto drafted with it in 0 of" in dec.startup["drafter"]
+
+
 def test_the_policy_reports_the_acceptance_it_learned(tiny64):
     from batchspec.policy.speculation import Adaptive, Fixed
 

@@ -125,10 +125,13 @@ class SpecDecoder:
 
     def _revise_drafter(self) -> None:
         """`--draft auto` chose the copy: where its drafts' acceptance on these prompts says lookup
-        pays more (drafter.revise), the next run uses lookup alone."""
+        pays more (drafter.revise), or `-k auto` hardly drafted with it (drafter.idle), the next run
+        uses lookup alone."""
         if self.choice is None or self.choice.costs is None or self.proposer_name != "draft":
             return
         why = drafter.revise(self.choice.costs, *self.speculation.acceptance())
+        if why is None and self.config.k == "auto":
+            why = drafter.idle(self.stats.chosen_k)
         if why is not None:
             self.choice = drafter.Choice("ngram", why)
             self.proposer, self.proposer_name = make_proposer(self.pair, self.config, "ngram")

@@ -3,11 +3,12 @@
 A pair loaded with `--draft auto` brings the copy as a candidate (`ModelPair.draft_candidate`);
 unless `--proposer` names one, the decoder and the server ask `choose` which proposer to run. The
 costs are those `-k auto` probes anyway (costmodel.probe, kept in the tuning cache; with a fixed k
-they are probed for the choice alone, and the copy's estimate still takes its best width): the target's
-forward of q tokens a row, t_q, and the copy's one-token forward, c, at the batch's rows. Each
-candidate's expected rate, as a multiple of plain decoding's:
+they are probed for the choice alone): the target's forward of q tokens a row, t_q, and the copy's
+one-token forward, c, at the batch's rows. Each candidate's expected rate, as a multiple of plain
+decoding's:
 
     copy:   max over q = 2 .. k_max + 1 of  E(q) t_1 / (t_q + (q - 1) c),   E(q) = 1 + a + ... + a^(q-1)
+            (a fixed k: at q = k + 1 alone, the width every step verifies)
     lookup: LOOKUP_GAIN
 
 with a = COPY_ACCEPT. Both are acceptances measured before (docs/benchmarks.md, "The drafter a
@@ -17,6 +18,9 @@ small target costs most of a target step). The larger runs; `-k auto` then decid
 whether to draft at all, so a wrong guess costs at most the k = 0 floor's exploring steps. After a
 run with the copy, the acceptance its drafts met on the user's prompts replaces the guess
 (`revise`): where the copy's estimate then falls to lookup's, the decoder's next run uses lookup.
+So does a run in which `-k auto` drafted with the copy in at most IDLE_SHARE of its row-steps
+(`idle`): the policy found it not worth drafting with, so no acceptance is learned, and lookup costs
+nothing to keep.
 """
 
 from __future__ import annotations
@@ -39,23 +43,32 @@ LOOKUP_GAIN = 1.15
 #: The attended span the costs are read at: a chat prompt and its answer.
 SPAN = 256
 #: Drafts the copy must have had tested (the policy's decayed count) before the acceptance measured
-#: on the user's prompts replaces COPY_ACCEPT in the choice (`revise`).
+#: on the user's prompts replaces COPY_ACCEPT in the choice (`revise`); and row-steps a run must
+#: have taken before its share drafting with the copy says it is idle (`idle`).
 REVISE_AFTER = 64
+#: The most row-steps of a run (a share) `-k auto` may have drafted with the copy in for it to count
+#: as idle: the policy's exploring steps draft in about one step in 32.
+IDLE_SHARE = 0.1
 
 
 @dataclass(frozen=True)
 class Costs:
     """Seconds of the target's forward of q tokens a row, `verify[q - 1]` (q = 1 .. k_max + 1), and
-    of the copy's one-token forward `draft`, at the same rows and span."""
+    of the copy's one-token forward `draft`, at the same rows and span. `fixed`: a fixed k's width
+    (k + 1), the only one its steps verify; None under `-k auto`, which chooses among all."""
 
     verify: tuple[float, ...]
     draft: float
+    fixed: int | None = None
 
 
 def copy_gain(costs: Costs, accept: float = COPY_ACCEPT) -> tuple[float, int]:
     """(the copy's best expected rate over plain decoding, the width q that gives it); (1.0, 1)
-    where no width beats a plain step."""
+    where no width beats a plain step (under a fixed k: the rate at its width, whatever it is)."""
     plain, best = costs.verify[0], (1.0, 1)
+    if costs.fixed is not None:
+        q = costs.fixed
+        return sum(accept**j for j in range(q)) * plain / (costs.verify[q - 1] + (q - 1) * costs.draft), q
     for q in range(2, len(costs.verify) + 1):
         tokens = sum(accept**j for j in range(q))
         gain = tokens * plain / (costs.verify[q - 1] + (q - 1) * costs.draft)
@@ -89,7 +102,9 @@ def measure(config: EngineConfig, target, draft) -> Costs:
     prepare_linears(config, target, draft)
     verify = StepCost(probe(target, rows, columns))
     return Costs(
-        tuple(verify(rows, q, SPAN) for q in range(1, columns + 1)), StepCost(probe(draft, rows, 1))(rows, 1, SPAN)
+        tuple(verify(rows, q, SPAN) for q in range(1, columns + 1)),
+        StepCost(probe(draft, rows, 1))(rows, 1, SPAN),
+        None if config.k == "auto" else config.k + 1,
     )
 
 
@@ -116,4 +131,18 @@ def revise(costs: Costs, tested: float, accepted: float) -> str | None:
     return (
         f"auto: lookup alone, switched from the copy after {tested:.0f} drafts accepted at {accepted:.2f} "
         f"(the copy then {gain:.2f}x, lookup {LOOKUP_GAIN}x)"
+    )
+
+
+def idle(chosen_k: dict[int, int]) -> str | None:
+    """After a run with the copy: why to switch to lookup alone, where the run took at least
+    REVISE_AFTER row-steps and drafted with the copy in at most IDLE_SHARE of them (`chosen_k`:
+    row-steps by the drafts they verified, Stats.chosen_k); else None."""
+    steps = sum(chosen_k.values())
+    drafting = sum(n for k, n in chosen_k.items() if k > 0)
+    if steps < REVISE_AFTER or drafting > IDLE_SHARE * steps:
+        return None
+    return (
+        f"auto: lookup alone, switched from the copy after -k auto drafted with it in {drafting} of "
+        f"{steps} row-steps (it did not pay here; lookup costs nothing to keep)"
     )
