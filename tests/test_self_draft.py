@@ -254,23 +254,30 @@ def test_the_copys_measured_acceptance_revises_the_choice():
     assert why.startswith("auto: lookup alone, switched from the copy after 500 drafts accepted at 0.30")
 
 
+def _two_runs_with_the_copy(monkeypatch, prompts, new: int) -> SpecDecoder:
+    """A decoder over a user's target with --draft auto, the copy chosen by a fake cost table, run
+    twice on `prompts`, exact against the reference each time; `dec.ran`: the proposer of each run."""
+    _user_target(monkeypatch)
+    pair = load_pair(target="user-model", draft="auto", dtype="float32")
+    monkeypatch.setattr(drafter, "measure", lambda *a: _fake_costs(copy_pays=True))
+    dec = SpecDecoder(pair, method="ragged", batch_size=3, k="auto")
+    dec.ran = []
+    for _ in range(2):
+        dec.ran.append(dec.proposer_name)
+        got = dec.generate(prompts, SamplingParams(max_new_tokens=new))
+        assert [o.token_ids for o in got] == reference_tokens(pair, prompts, new)
+    return dec
+
+
 @pytest.mark.parametrize("accepted", [0.3, 0.95])
 def test_a_decoder_switches_to_lookup_when_the_copy_is_accepted_too_rarely(monkeypatch, accepted):
     """After a run with the copy, the acceptance the policy measured replaces the guess: at 0.3 the
     next run uses lookup alone (and says why), at 0.95 the copy stays; every run is exact."""
     from batchspec.policy.speculation import Adaptive
 
-    _user_target(monkeypatch)
-    pair = load_pair(target="user-model", draft="auto", dtype="float32")
-    monkeypatch.setattr(drafter, "measure", lambda *a: _fake_costs(copy_pays=True))
     monkeypatch.setattr(Adaptive, "acceptance", lambda self: (200.0, accepted))
-    dec = SpecDecoder(pair, method="ragged", batch_size=3, k="auto")
-    prompts = random_prompts(7, 3, 4, 30)
-    for run in range(2):
-        ran = dec.proposer_name
-        got = dec.generate(prompts, SamplingParams(max_new_tokens=16))
-        assert [o.token_ids for o in got] == reference_tokens(pair, prompts, 16)
-        assert ran == ("draft" if run == 0 or accepted > 0.5 else "ngram")
+    dec = _two_runs_with_the_copy(monkeypatch, random_prompts(7, 3, 4, 30), 16)
+    assert dec.ran == ["draft", "draft" if accepted > 0.5 else "ngram"]
     assert dec.startup["drafter"].startswith("auto: lookup alone, switched" if accepted < 0.5 else "auto: the target's")
 
 
@@ -301,20 +308,12 @@ def test_a_decoder_switches_to_lookup_when_the_policy_never_drafts_with_the_copy
     Every run is exact."""
     from batchspec.policy.speculation import Adaptive
 
-    _user_target(monkeypatch)
-    pair = load_pair(target="user-model", draft="auto", dtype="float32")
-    monkeypatch.setattr(drafter, "measure", lambda *a: _fake_costs(copy_pays=True))
     monkeypatch.setattr(Adaptive, "plan", lambda self, batch: 2 if drafts else 0)
     monkeypatch.setattr(Adaptive, "stop_rule", lambda self, batch, started: None)
     monkeypatch.setattr(Adaptive, "choose", lambda self, batch, proposal, started: proposal.drafts.shape[1])
     monkeypatch.setattr(Adaptive, "acceptance", lambda self: (0.0, 0.0))  # revise has nothing to go on
-    dec = SpecDecoder(pair, method="ragged", batch_size=3, k="auto")
-    prompts = random_prompts(8, 4, 4, 30)
-    for run in range(2):
-        ran = dec.proposer_name
-        got = dec.generate(prompts, SamplingParams(max_new_tokens=24))
-        assert [o.token_ids for o in got] == reference_tokens(pair, prompts, 24)
-        assert ran == ("draft" if run == 0 or drafts else "ngram")
+    dec = _two_runs_with_the_copy(monkeypatch, random_prompts(8, 4, 4, 30), 24)
+    assert dec.ran == ["draft", "draft" if drafts else "ngram"]
     if drafts:
         assert dec.startup["drafter"].startswith("auto: the target's own copy")
     else:
