@@ -62,18 +62,18 @@ class Costs:
     fixed: int | None = None
 
 
+def _rate(costs: Costs, q: int, accept: float) -> float:
+    """The copy's expected rate over plain decoding verifying q tokens a row: E(q) t_1 / (t_q + (q - 1) c)."""
+    tokens = sum(accept**j for j in range(q))
+    return tokens * costs.verify[0] / (costs.verify[q - 1] + (q - 1) * costs.draft)
+
+
 def copy_gain(costs: Costs, accept: float = COPY_ACCEPT) -> tuple[float, int]:
     """(the copy's best expected rate over plain decoding, the width q that gives it); (1.0, 1)
     where no width beats a plain step (under a fixed k: the rate at its width, whatever it is)."""
-    plain, best = costs.verify[0], (1.0, 1)
     if costs.fixed is not None:
-        q = costs.fixed
-        return sum(accept**j for j in range(q)) * plain / (costs.verify[q - 1] + (q - 1) * costs.draft), q
-    for q in range(2, len(costs.verify) + 1):
-        tokens = sum(accept**j for j in range(q))
-        gain = tokens * plain / (costs.verify[q - 1] + (q - 1) * costs.draft)
-        best = max(best, (gain, q))
-    return best
+        return _rate(costs, costs.fixed, accept), costs.fixed
+    return max([(1.0, 1)] + [(_rate(costs, q, accept), q) for q in range(2, len(costs.verify) + 1)])
 
 
 @dataclass(frozen=True)
