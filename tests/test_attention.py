@@ -72,9 +72,10 @@ def test_attention_equals_transformers_sdpa(seed, batch, q, groups, parts):
 )
 def test_planned_attention_is_the_caches_update_then_attention(seed, batch, q, groups, long):
     """`Planned` (one forward's attention planned once for its layers) writes the same slab entries
-    and returns the same bits as the cache's `update` followed by `attention`, layer by layer: one
-    size class in order or several (rows long enough for the 512-slot class), one row's one query
-    (the unmasked kernel), grouped heads or not."""
+    and returns the same bits as the cache's `update` followed by `attention` (its bool mask made
+    additive once, as SDPA makes it on every call), layer by layer: one size class in order or
+    several (rows long enough for the 512-slot class), one row's one query (the unmasked kernel),
+    grouped heads or not."""
     gen = torch.Generator().manual_seed(seed)
     kv_heads, dim, layers = 2, 8, 2
     config = LlamaConfig(

@@ -351,3 +351,44 @@ def test_max_autotune_tunes_packages_once_per_weights_and_decodes_as_the_referen
 def test_an_unknown_compile_mode_is_refused_by_name():
     with pytest.raises(BatchspecError, match="unknown compile mode 'fast'"):
         load_pair("tiny", compile="fast")
+
+
+def test_a_qwen3_target_is_compiled_and_every_method_equals_the_reference(tmp_path):
+    """Qwen3's layers (an RMS norm over each head of q and k before RoPE) are lean and compiled: a
+    pair of them from local directories decodes as the reference through each layout and drafter."""
+    from transformers import Qwen3Config
+
+    from batchspec.models.tiny import byte_tokenizer, tiny_models
+
+    config = Qwen3Config(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        initializer_range=0.2,
+        pad_token_id=256,
+        bos_token_id=257,
+        eos_token_id=258,
+        tie_word_embeddings=False,
+    )
+    target, draft = tiny_models(config, noise=0.02, seed=3)
+    for model, name in ((target, "target"), (draft, "draft")):
+        with torch.no_grad():  # per-head norms away from ones, so a norm left out shows
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))
+        model.save_pretrained(tmp_path / name)
+        byte_tokenizer(320).save_pretrained(tmp_path / name)
+    pair = load_pair(target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), dtype="float64", compile=True)
+    assert pair.startup["forward"] == "compiled"
+    assert all(isinstance(layer, lean.LeanLayer) for layer in pair.target.get_decoder().layers)
+    prompts = random_prompts(11, 6, 1, 40)
+    want = reference_tokens(pair, prompts, 14)
+    before = _graph_calls(pair)
+    for method, proposer, batch in (("ar", None, 3), ("ragged", "draft", 4), ("exspec", "ngram", 2)):
+        config = {"k": 3, "proposer": proposer} if proposer else {}
+        assert decode(pair, prompts, 14, method=method, batch_size=batch, **config) == want, method
+    assert _graph_calls(pair) > before

@@ -8,7 +8,15 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from batchspec import tiny_pair
 from batchspec.models import lean, quant
@@ -20,6 +28,13 @@ def _model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "qwen2":  # biases on q, k, v
         return Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
+    if kind == "qwen3":  # an RMS norm over each head of q and k before RoPE, head_dim apart from the width
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=24)).eval()
+        with torch.no_grad():  # norms away from their initial ones, so a norm left out shows
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.uniform_(0.5, 1.5)
+        return model
     return LlamaForCausalLM(
         LlamaConfig(
             **shape,
@@ -34,7 +49,7 @@ def _model(kind: str) -> torch.nn.Module:
     ).eval()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @torch.inference_mode()
 def test_lean_layers_compute_the_same_logits(kind):
     model = _model(kind)
@@ -59,15 +74,16 @@ def test_layers_it_does_not_compute_are_left_alone():
     assert [type(layer) for layer in draft.get_decoder().layers] == before
 
 
-def test_a_self_draft_gets_lean_layers_and_agrees_with_its_target():
-    """The tiny pair's self-draft (int8): every layer lean, and its greedy choice the target's at
-    nearly every position of a teacher-forced sequence."""
-    pair = tiny_pair(dtype=torch.float32)
-    draft = quant.self_draft(pair.target, "int8", torch.float32)
+@pytest.mark.parametrize("kind", ["tiny", "qwen3"])
+def test_a_self_draft_gets_lean_layers_and_agrees_with_its_target(kind):
+    """A self-draft (int8) of the tiny pair's target, and of a Qwen3 model: every layer lean, and
+    its greedy choice the target's at nearly every position of a teacher-forced sequence."""
+    target = tiny_pair(dtype=torch.float32).target if kind == "tiny" else _model(kind)
+    draft = quant.self_draft(target, "int8", torch.float32)
     assert all(isinstance(layer, lean.LeanLayer) for layer in draft.get_decoder().layers)
-    ids = torch.randint(0, 256, (1, 64))
+    ids = torch.randint(0, 97, (1, 64))
     with torch.inference_mode():
-        agree = (draft(input_ids=ids).logits.argmax(-1) == pair.target(input_ids=ids).logits.argmax(-1)).float()
+        agree = (draft(input_ids=ids).logits.argmax(-1) == target(input_ids=ids).logits.argmax(-1)).float()
     assert agree.mean() > 0.9
 
 
@@ -90,7 +106,7 @@ def test_windowed_layers_keep_transformers_layers(window):
     assert lean.install(model) == (2 if window is None else 0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_a_model_with_lean_layers_saves_as_the_model_it_was_made_from(kind, tmp_path):
     model = _model(kind)
     want = {name: t.clone() for name, t in model.state_dict().items()}

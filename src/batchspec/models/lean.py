@@ -5,13 +5,14 @@ At one or a few rows a small model's forward on a CPU is mostly the fixed cost o
 them, three products for q, k, v and two for the gate and up projections. `LeanLayer` computes the
 layer in about 20: one product for q, k and v together and one for gate and up (their weights
 concatenated by output rows, so a weight-only quantization per output row is the same as the
-three or two apart), RoPE on q and k at once, fused RMS norms. Attention and the cache are the
-engine's own (attention.py, the layout's cache), called as transformers calls them.
+three or two apart), RoPE on q and k at once, fused RMS norms (Qwen3's per-head q and k norms
+too). Attention and the cache are the engine's own (attention.py, the layout's cache), called as
+transformers calls them.
 
 A self-draft always gets it (`quant.self_draft`); the target gets it when its decoder is compiled
 (compiled.py, which runs `LeanLayer.step` in one graph): the reference runs the same target, so the
-oracle shares its numerics. Layers of other architectures (qk-norm, sliding windows, other norms
-or activations) are left as they are (`supported`).
+oracle shares its numerics. Layers of other architectures (sliding windows, other norms or
+activations, Gemma's) are left as they are (`supported`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from __future__ import annotations
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-#: transformers' decoder layers of this form: RMSNorm, q/k/v/o, SiLU-gated MLP, RoPE.
-LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+#: transformers' decoder layers of this form: RMSNorm, q/k/v/o, SiLU-gated MLP, RoPE; Qwen3's with
+#: an RMS norm over each head's dimensions of q and of k before RoPE (q_norm, k_norm).
+LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+QK_NORMED = ("Qwen3DecoderLayer",)
 
 
 def supported(layer: torch.nn.Module) -> bool:
@@ -32,7 +35,8 @@ def supported(layer: torch.nn.Module) -> bool:
     sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
     if types is not None:
         sliding = types[attn.layer_idx] == "sliding_attention"
-    return config.hidden_act == "silu" and not sliding and not hasattr(attn, "q_norm")
+    qk_norm = hasattr(attn, "q_norm") or hasattr(attn, "k_norm")
+    return config.hidden_act == "silu" and not sliding and (not qk_norm or type(layer).__name__ in QK_NORMED)
 
 
 def _fused(*layers: torch.nn.Module) -> torch.nn.Linear:
@@ -59,6 +63,10 @@ class LeanLayer(torch.nn.Module):
         self.down = mlp.down_proj
         self.norm_attn, self.norm_mlp = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.eps = layer.input_layernorm.variance_epsilon
+        self.norm_q = self.norm_k = None  # Qwen3's per-head norms of q and k (weights [D])
+        if hasattr(attn, "q_norm"):
+            self.norm_q, self.norm_k, self.eps_qk = attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon
+            del attn.q_norm, attn.k_norm
         config = attn.config
         self.dim, self.heads, self.kv_heads = attn.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.scaling, self.layer_idx = attn.scaling, attn.layer_idx
@@ -93,7 +101,16 @@ class LeanLayer(torch.nn.Module):
         h = torch.nn.functional.rms_norm(hidden, (width,), self.norm_attn, self.eps)
         qkv = product(h, self.qkv)
         n_qk = (self.heads + self.kv_heads) * self.dim
-        qk = _rope(qkv[..., :n_qk].view(b, q, self.heads + self.kv_heads, self.dim), cos, sin)
+        qk = qkv[..., :n_qk].view(b, q, self.heads + self.kv_heads, self.dim)
+        if self.norm_q is not None:
+            qk = torch.cat(
+                [
+                    self._head_norm(qk[:, :, : self.heads], self.norm_q),
+                    self._head_norm(qk[:, :, self.heads :], self.norm_k),
+                ],
+                dim=2,
+            )
+        qk = _rope(qk, cos, sin)
         query, key = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
         value = qkv[..., n_qk:].view(b, q, self.kv_heads, self.dim).transpose(1, 2)
         out = attend(query, key, value, self.layer_idx)
@@ -102,6 +119,12 @@ class LeanLayer(torch.nn.Module):
         gate, up = product(h, self.gate_up).chunk(2, dim=-1)
         act = torch.nn.functional.silu(gate) * up
         return hidden + product(act, self.down)
+
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [B, q, heads, D] RMS-normed over D, as transformers' Qwen3RMSNorm (in float32, weight
+        applied in x's dtype)."""
+        normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps_qk)
+        return weight * normed.to(x.dtype)
 
 
 def cached_attention(module, cache, mask, query, key, value, layer: int, **kwargs) -> torch.Tensor:
@@ -119,6 +142,8 @@ def cached_attention(module, cache, mask, query, key, value, layer: int, **kwarg
 _NAMES = {
     "norm_attn": "input_layernorm.weight",
     "norm_mlp": "post_attention_layernorm.weight",
+    "norm_q": "self_attn.q_norm.weight",
+    "norm_k": "self_attn.k_norm.weight",
     "o_proj.weight": "self_attn.o_proj.weight",
     "o_proj.bias": "self_attn.o_proj.bias",
     "down.weight": "mlp.down_proj.weight",
