@@ -105,6 +105,7 @@ def test_long_prompts_and_the_invariant_mode_run_eager_and_exact():
 
 
 def test_layers_the_lean_form_cannot_compute_stay_eager_with_the_reason(monkeypatch):
+    monkeypatch.setattr(lean, "supported", lambda layer: False)  # as for a form it does not know
     with pytest.warns(UserWarning, match="running the target eager: its Gemma3DecoderLayer layers"):
         pair = load_pair("tiny-sliding", dtype="float32", compile=True)
     assert pair.startup["forward"].startswith("eager (its Gemma3DecoderLayer layers")
@@ -392,3 +393,30 @@ def test_a_qwen3_target_is_compiled_and_every_method_equals_the_reference(tmp_pa
         config = {"k": 3, "proposer": proposer} if proposer else {}
         assert decode(pair, prompts, 14, method=method, batch_size=batch, **config) == want, method
     assert _graph_calls(pair) > before
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    batch=st.integers(1, 6),
+    k=st.integers(1, 4),
+    method=st.sampled_from(["ar", "eqspec", "exspec", "ragged"]),
+    proposer=st.sampled_from(["draft", "ngram", "ngram+draft"]),
+)
+def test_a_compiled_gemma3_target_with_windows_equals_the_reference(sliding_compiled, seed, batch, k, method, proposer):
+    """Gemma 3's lean layers in the graph (a RoPE table per layer kind, windows of 6 keys cut from
+    the mask, each size class's keys read from the first its rows' windows see): every method
+    gives the reference's tokens on prompts and outputs far longer than the window."""
+    prompts = random_prompts(seed, 4, 1, 30)
+    before = _graph_calls(sliding_compiled)
+    got = decode(sliding_compiled, prompts, 14, method=method, batch_size=batch, k=k, proposer=proposer)
+    assert got == reference_tokens(sliding_compiled, prompts, 14)
+    assert _graph_calls(sliding_compiled) > before
+
+
+@pytest.fixture(scope="module")
+def sliding_compiled():
+    pair = load_pair("tiny-sliding", dtype="float64", compile=True)
+    assert pair.startup["forward"] == "compiled"
+    assert all(isinstance(layer, lean.LeanLayer) for layer in pair.target.get_decoder().layers)
+    return pair

@@ -68,10 +68,36 @@ def test_lean_layers_compute_the_same_logits(kind):
 
 
 def test_layers_it_does_not_compute_are_left_alone():
-    sliding = tiny_pair(sliding=True).target  # Gemma 3-style: other norms, qk-norm, windows
-    before = [type(layer) for layer in sliding.get_decoder().layers]
-    draft = quant.self_draft(sliding, "int8", torch.float32)
+    from transformers import MistralConfig, MistralForCausalLM
+
+    shape = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    windowed = MistralForCausalLM(MistralConfig(**shape, num_key_value_heads=2, sliding_window=8)).eval()
+    before = [type(layer) for layer in windowed.get_decoder().layers]
+    draft = quant.self_draft(windowed, "int8", torch.float32)
     assert [type(layer) for layer in draft.get_decoder().layers] == before
+
+
+@torch.inference_mode()
+def test_gemma3_layers_are_lean_and_compute_the_same_logits():
+    """The tiny-sliding pair's Gemma 3 layers (four norms of their own form, per-head q and k norms, a
+    GELU MLP, windows of 6 keys on layers 0 and 2, a RoPE table per kind): the same logits as
+    transformers' layers over prompts longer than the window, whole and fed over a cache."""
+    model = tiny_pair(dtype=torch.float64, sliding=True).target
+    with torch.no_grad():  # norms away from their initial zeros, so a norm left out or misread shows
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    leaned = copy.deepcopy(model)
+    assert lean.install(leaned) == 3
+    ids = torch.randint(0, 256, (2, 21))
+    torch.testing.assert_close(leaned(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6, rtol=1e-6)
+    caches = [DynamicCache(config=m.config) for m in (model, leaned)]  # transformers' sliding layers
+    for lo, hi in ((0, 15), (15, 16), (16, 19)):
+        outs = [m(input_ids=ids[:, lo:hi], cache=c, use_cache=True).logits for m, c in zip((model, leaned), caches)]
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+    state = leaned.state_dict()
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[name], t) for name, t in model.state_dict().items())
 
 
 @pytest.mark.parametrize("kind", ["tiny", "qwen3"])

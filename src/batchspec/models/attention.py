@@ -177,27 +177,48 @@ class Planned:
     """The attention of one forward over a `slots.SlotCache`, planned once for all its layers:
     each size class's rows, write index, span and mask (sliced to the class, packed for the
     grouped heads and made additive (`additive`), or None where one row's one query sees every
-    key), so that a layer only writes its entries and attends. The same operations on the same
+    key; for a sliding layer cut to its window, and its keys read from the first one a query of the
+    class sees), so that a layer only writes its entries and attends. The same operations on the same
     tensors as `attention` after the cache's `update`, so the same numbers; what it saves is their
     per-layer Python and mask conversions (a compiled forward's layers call it from the graph,
     `compiled.attend`)."""
 
     def __init__(self, cache: slots.SlotCache, mask: torch.Tensor, groups: int):
-        self.cache, self.parts = cache, []
+        self.cache, self.groups, self.parts, self.masks, self.windows = cache, groups, [], [], {}
         for c, rows, index, span in cache.plan:  # index [m, q]: the rows' write slots
-            part = _needed(mask if rows is None else mask[..., :span].index_select(0, rows), *index.shape)
+            part = mask if rows is None else mask[..., :span].index_select(0, rows)
             where = index[:, None, :, None].expand(-1, cache.heads, -1, cache.dim)
-            self.parts.append((c, rows, where, span, additive(_grouped(part, groups), cache.dtype)))
+            self.parts.append((c, rows, where, span))
+            self.masks.append(part)
+        self.full = [self._attended(part, 0) for part in self.masks]
 
-    def __call__(self, query, key, value, layer: int, scaling: float) -> torch.Tensor:
-        """query [B, H, q, D], key/value [B, H_kv, q, D] of layer `layer` -> [B, q, H, D]."""
+    def _attended(self, part: torch.Tensor, start: int) -> tuple[int, torch.Tensor | None]:
+        """(start, the mask of a part's keys from `start` on, as SDPA gets it: None where one row's one
+        query sees all of them, else packed for the grouped heads and additive)."""
+        part = _needed(part[..., start:], part.shape[0], part.shape[2])
+        return start, additive(_grouped(part, self.groups), self.cache.dtype)
+
+    def _window(self, i: int, window: int) -> tuple[int, torch.Tensor | None]:
+        """Part i's mask for a layer of sliding `window`: each query's last `window` keys
+        (`windowed`), read from the first key any of them sees on (made once a forward)."""
+        if (i, window) not in self.windows:
+            part = windowed(self.masks[i], window)
+            allowed = part if part.dtype == torch.bool else part == 0
+            seen = allowed.flatten(0, -2).any(0).nonzero()
+            self.windows[i, window] = self._attended(part, int(seen[0]) if len(seen) else 0)
+        return self.windows[i, window]
+
+    def __call__(self, query, key, value, layer: int, scaling: float, window: int | None = None) -> torch.Tensor:
+        """query [B, H, q, D], key/value [B, H_kv, q, D] of layer `layer` (attending over the last
+        `window` keys of each query, or all) -> [B, q, H, D]."""
         slabs, out = self.cache.layers[layer], None
-        for c, rows, where, span, mask in self.parts:
+        for i, (c, rows, where, span) in enumerate(self.parts):
             k, v = (key, value) if rows is None else (key.index_select(0, rows), value.index_select(0, rows))
             m = where.shape[0]
             for slab, new in ((slabs.keys[c][:m], k), (slabs.values[c][:m], v)):
                 slots.write(slab, where, new)
-            keys, values = slabs.keys[c][:m, :, :span], slabs.values[c][:m, :, :span]
+            start, mask = self.full[i] if window is None or span <= window else self._window(i, window)
+            keys, values = slabs.keys[c][:m, :, start:span], slabs.values[c][:m, :, start:span]
             if mask is not None and mask.dtype != query.dtype and mask.dtype != torch.bool:
                 mask = mask.to(query.dtype)  # a query in another dtype than the cache (-inf stays -inf)
             if rows is None:

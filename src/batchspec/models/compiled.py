@@ -112,9 +112,9 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
         part = (t[:, :, start : start + b * q] for t in (query, key, value))
         part = [t.reshape(t.shape[1], b, q, t.shape[3]).transpose(0, 1) for t in part]
         if planned is not None:
-            out = planned(*part, layer, module.scaling)
+            out = planned(*part, layer, module.scaling, getattr(module, "sliding_window", None))
         else:
-            out = lean.cached_attention(module, cache, mask, *part, layer)
+            out = lean.cached_attention(module, cache, mask, *part, layer)  # the window: attention._layer_window
         outs.append(out.reshape(1, b * q, -1))
         start += b * q
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -138,7 +138,7 @@ def why_not(model: torch.nn.Module, tp_size: int = 1) -> str | None:
     layers = model.get_decoder().layers
     kinds = {type(layer).__name__ for layer in layers if not lean.supported(layer)}
     if kinds:
-        return f"its {', '.join(sorted(kinds))} layers are not of the lean Llama form (windows, qk-norm or other norms)"
+        return f"its {', '.join(sorted(kinds))} layers are not of a lean form (Llama, Qwen or Gemma 3 layers)"
     return None
 
 
@@ -153,6 +153,8 @@ class LeanStack(torch.nn.Module):
         self.layers = decoder.layers  # lean.LeanLayer each
         self.norm = decoder.norm  # transformers' own final norm, as the eager decoder computes it
         self.form = form
+        self.kinds = rope_kinds(decoder)
+        self.tables = [self.kinds.index(layer.rope_kind) for layer in self.layers]  # each layer's cos/sin row
 
     def product(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
         if isinstance(layer, QuantLinear):  # PyTorch's own weight-only kernels: traced, no call
@@ -163,13 +165,29 @@ class LeanStack(torch.nn.Module):
         return linears.FUNCTIONS[self.form](flat, layer.weight, layer.bias).view(*x.shape[:-1], -1)
 
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """ids [1, N], cos/sin [1, N, D] -> (final hidden states [1, N, W], then each layer's output)."""
+        """ids [1, N], cos/sin [K, N, D] (a RoPE table per kind, `rope_kinds`) -> (final hidden
+        states [1, N, W], then each layer's output)."""
         hidden = self.embed(ids)
         outputs = []
-        for layer in self.layers:
-            hidden = layer.step(hidden, cos, sin, attend, self.product)
+        for layer, t in zip(self.layers, self.tables):
+            hidden = layer.step(hidden, cos[t : t + 1], sin[t : t + 1], attend, self.product)
             outputs.append(hidden)
         return (self.norm(hidden), *outputs)
+
+
+def rope_kinds(decoder: torch.nn.Module) -> list[str | None]:
+    """The decoder's RoPE tables, by the layer kind each serves: [None] where every layer rotates
+    alike, else each kind of its lean layers (Gemma 3: full and sliding layers, each a table)."""
+    return sorted({layer.rope_kind for layer in decoder.layers}, key=str)
+
+
+def rotary(decoder: torch.nn.Module, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [K, b, q, D] for positions [b, q]: the decoder's RoPE table of each of its kinds."""
+    tables = [
+        decoder.rotary_emb(like, positions) if kind is None else decoder.rotary_emb(like, positions, kind)
+        for kind in rope_kinds(decoder)
+    ]
+    return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
 
 
 class CompiledDecoder:
@@ -193,6 +211,7 @@ class CompiledDecoder:
         self.calls = 0  # forwards a graph served
         self.packages: list[packaged.Packaged] = []  # the frozen graphs' (packaged.py)
         self.rider = None  # a forward.Rider the next served forward carries (forward.carrying sets it)
+        self.windows = kv.has_sliding_layers(decoder.config)  # some layer attends over a sliding window
 
     def graph(self, tokens: int):
         """The compiled stack for a forward of `tokens` tokens: at one token, products traced into
@@ -282,7 +301,7 @@ class CompiledDecoder:
         use_cache: bool | None = None,
         **kwargs,
     ):
-        if not self.serves(input_ids, inputs_embeds, kwargs):
+        if not self.serves(input_ids, inputs_embeds, kwargs) or _windowed_cache(cache, use_cache, self.decoder.config):
             return self.eager(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -327,7 +346,7 @@ class CompiledDecoder:
 
     def _segment(self, ids, attention_mask, position_ids, cache) -> tuple:
         """One batch's part of a forward: (cache, 4-D mask, (rows, tokens), its attention planned
-        (attention.plan) or None, its flat graph inputs: ids [1, n], cos and sin [1, n, D])."""
+        (attention.plan) or None, its flat graph inputs: ids [1, n], cos and sin [K, n, D])."""
         b, q = ids.shape
         shape = self.stack.norm.weight.new_empty(b, q, 1)  # what the mask is built for: rows, tokens, dtype
         mask = create_causal_mask(
@@ -336,10 +355,20 @@ class CompiledDecoder:
             attention_mask=attention_mask,
             cache=cache,
             position_ids=position_ids,
+            allow_is_causal_skip=not self.windows,  # no mask: every key seen, and a window seen past
         )
-        cos, sin = self.decoder.rotary_emb(shape, position_ids.expand(b, q))
-        flat = [t.reshape(1, b * q, *t.shape[2:]) for t in (ids, cos, sin)]
+        cos, sin = rotary(self.decoder, shape, position_ids.expand(b, q))
+        flat = [ids.reshape(1, b * q)] + [t.reshape(t.shape[0], b * q, t.shape[-1]) for t in (cos, sin)]
         return cache, mask, (b, q), attention.plan(cache, mask, self.decoder.config), flat
+
+
+def _windowed_cache(cache, use_cache: bool | None, config) -> bool:
+    """Whether the forward's cache keeps only a window of some layer's entries (transformers' own
+    sliding layers, whose masks transformers builds per layer kind): the graph's one mask serves
+    caches that keep every entry (batchspec's), so such a forward runs eager."""
+    if cache is None:
+        return bool(use_cache) and kv.has_sliding_layers(config)  # transformers' cache would be made
+    return any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ()))
 
 
 def _frozen(lazy, tag: str):
@@ -433,7 +462,7 @@ def warm(model: torch.nn.Module) -> float:
     """Compile (or load from the tuning cache) both graphs now, not in the first step; seconds taken."""
     started = time.perf_counter()
     device = next(model.parameters()).device
-    cache = kv.reference_cache(model.config)
+    cache = kv.reference_cache(model.config, full=True)
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)  # two tokens: the graph for N > 1
     model(input_ids=ids[:, :1], cache=cache, use_cache=True, logits_to_keep=1)  # one token

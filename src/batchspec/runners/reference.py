@@ -23,7 +23,7 @@ def generate_one(target, seq: Sequence, observe=None) -> None:
     """Decode `seq` to completion in place, with its own SamplingParams; `observe([seq])` after
     each token (the output processor: stop strings)."""
     params = seq.params
-    cache = kv.reference_cache(target.config)
+    cache = kv.reference_cache(target.config, full=True)  # sliding layers keep all too: one mask, any forward
     ids = torch.tensor([seq.token_ids], device=target.device)
     while True:
         logits = target(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
