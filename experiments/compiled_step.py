@@ -1,11 +1,12 @@
-"""The default pair with its target compiled (models/compiled.py) beside the same pair eager (or
-two other ways of running the target: --variants), in one process: `ar` and the defaults
+"""The default pair (or --target T, no draft) with its target compiled (models/compiled.py) beside
+the same pair eager (or two other ways of running the target: --variants), in one process: `ar` and the defaults
 (`ragged`, `-k auto`, the pair's proposer) at each batch size, on the same Spec-Bench prompts, the
 two pairs alternating (which goes first alternates by round); tok/s per run, the median ratio of
 the first variant to the second, and whether both gave the same tokens.
 
-    python experiments/compiled_step.py PROMPTS.jsonl [--batch-sizes 1,8,16] [--n 16] [--max-new-tokens 64]
-        [--rounds 2] [--dtype float32] [--variants compiled,eager|max-autotune,compiled] [--json out.json]
+    python experiments/compiled_step.py PROMPTS.jsonl [--batch-sizes 1,8,16] [--n 16] [--every N]
+        [--max-new-tokens 64] [--rounds 2] [--dtype float32] [--target T]
+        [--variants compiled,eager|max-autotune,compiled] [--json out.json]
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,16")
     parser.add_argument("--methods", default="ar,ragged")
     parser.add_argument("--n", type=int, default=16)
+    parser.add_argument("--every", type=int, help="every N-th prompt (default: 480 // n)")
+    parser.add_argument("--target", help="a model directory or GGUF file, no draft (default: the default pair)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
@@ -35,11 +38,13 @@ def main() -> None:
     args = parser.parse_args()
     flags = {"compiled": True, "eager": False, "max-autotune": "max-autotune"}
     first, second = args.variants.split(",")
-    prompts = [p.text for p in read_prompts(args.prompts, limit=args.n, every=max(1, 480 // args.n))]
+    every = args.every or max(1, 480 // args.n)
+    prompts = [p.text for p in read_prompts(args.prompts, limit=args.n, every=every)]
+    source = {"target": args.target} if args.target else {"pair": "default"}
     pairs = {}
     for name, flag in ((first, flags[first]), (second, flags[second])):
         started = time.perf_counter()
-        pairs[name] = load_pair(pair="default", dtype=args.dtype, compile=flag)
+        pairs[name] = load_pair(**source, dtype=args.dtype, compile=flag)
         print(name, "loaded in", round(time.perf_counter() - started, 1), "s", pairs[name].startup, flush=True)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     rows = []

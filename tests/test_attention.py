@@ -66,6 +66,43 @@ def test_attention_equals_transformers_sdpa(seed, batch, q, groups, parts):
 @given(
     seed=st.integers(0, 10**6),
     batch=st.integers(1, 5),
+    q=st.integers(1, 5),
+    window=st.integers(1, 12),
+    parts=st.integers(1, 3),
+)
+def test_a_sliding_layer_reads_its_windows_span_and_attends_as_over_the_whole(seed, batch, q, window, parts):
+    """A layer with a window reads its keys from the first one a query sees (`seen_span`), whole or
+    as `slots.RowParts`: the output is transformers' SDPA attention's over the whole span with the
+    mask cut to the window."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, dim, groups = 2, 8, 2
+    ends = torch.randint(q, 60, (batch,), generator=gen)
+    span = int(ends.max())
+    query = torch.randn(batch, kv_heads * groups, q, dim, generator=gen)
+    key, value = (torch.randn(batch, kv_heads, span, dim, generator=gen) for _ in range(2))
+    positions = ends[:, None] - q + torch.arange(q)[None, :]
+    mask = (torch.arange(span)[None, None, :] <= positions[:, :, None])[:, None]
+    module = Heads(groups)
+    want = sdpa_attention_forward(module, query, key, value, attention.windowed(mask, window), scaling=0.3)[0]
+    cut = attention.seen_span(attention.windowed(mask, window), key, value)
+    assert cut[1].shape[2] == cut[0].shape[-1] == span - attention.first_seen(attention.windowed(mask, window))
+    got, _ = attention.attention(module, query, key, value, mask, scaling=0.3, sliding_window=window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    order = torch.randperm(batch, generator=gen)
+    groups_ = [g for g in order.tensor_split(min(parts, batch)) if len(g)]
+    spans = [int(ends[g].max()) for g in groups_]
+    keys = slots.RowParts([(g, key[g][:, :, :s]) for g, s in zip(groups_, spans)])
+    values = slots.RowParts([(g, value[g][:, :, :s]) for g, s in zip(groups_, spans)])
+    got, _ = attention.attention(module, query, keys, values, mask, scaling=0.3, sliding_window=window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # read from the earliest query's window start: the shortest row's first query, `window` keys back
+    assert attention.first_seen(attention.windowed(mask, window)) == max(0, int(ends.min()) - q - window + 1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    batch=st.integers(1, 5),
     q=st.integers(1, 4),
     groups=st.sampled_from([1, 2, 3]),
     long=st.booleans(),

@@ -14,8 +14,9 @@ spans in the ragged layout. Same math as transformers' SDPA attention, less memo
 
 - **Sliding windows.** Layers with a window (Gemma 2/3, Mistral-style; transformers passes
   `sliding_window`) get the layout's full-history mask cut to each query's last `window` keys
-  (`windowed`), the rule of transformers' own sliding caches. batchspec's caches keep every entry
-  of such layers, so realignment and the ragged slots work as for full attention.
+  (`windowed`), the rule of transformers' own sliding caches, and read the keys from the first
+  one a query sees (`seen_span`), not the whole history before it. batchspec's caches keep every
+  entry of such layers, so realignment and the ragged slots work as for full attention.
 
 - **One query seeing every key** (a single row decoding: the ragged layout's view ends at the row's
   own last slot) runs SDPA without a mask, its faster kernel, instead of an all-True mask.
@@ -147,14 +148,35 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         key, value = dense(key, query.shape[0]), dense(value, query.shape[0])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if not isinstance(key, slots.RowParts):
+        if window is not None:
+            attention_mask, key, value = seen_span(attention_mask, key, value)
         return _one(module, query, key, value, attention_mask, scaling, dropout).contiguous(), None
     b, heads, q, dim = query.shape
     out = query.new_empty(b, q, heads, dim)
     for (rows, k), (_, v) in zip(key.parts, value.parts):
         mask = attention_mask[..., : k.shape[2]].index_select(0, rows)
+        if window is not None:
+            mask, k, v = seen_span(mask, k, v)
         part = _one(module, query.index_select(0, rows), k, v, mask, scaling, dropout)
         out.index_copy_(0, rows, part)
     return out, None
+
+
+def first_seen(mask: torch.Tensor) -> int:
+    """The first key (along the last dimension) some query of `mask` (bool, True attends; or
+    additive, 0 attends) sees; 0 when none does."""
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    seen = allowed.flatten(0, -2).any(0).nonzero()
+    return int(seen[0]) if len(seen) else 0
+
+
+def seen_span(mask: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """mask [.., L], key/value [B, H_kv, L, D] from the first key a query sees on (views): a sliding
+    layer's queries read their windows' span, not the whole history before it."""
+    start = first_seen(mask)
+    if start == 0:
+        return mask, key, value
+    return mask[..., start:], key[:, :, start:], value[:, :, start:]
 
 
 def dense(parts, rows: int) -> torch.Tensor:
@@ -203,9 +225,7 @@ class Planned:
         (`windowed`), read from the first key any of them sees on (made once a forward)."""
         if (i, window) not in self.windows:
             part = windowed(self.masks[i], window)
-            allowed = part if part.dtype == torch.bool else part == 0
-            seen = allowed.flatten(0, -2).any(0).nonzero()
-            self.windows[i, window] = self._attended(part, int(seen[0]) if len(seen) else 0)
+            self.windows[i, window] = self._attended(part, first_seen(part))
         return self.windows[i, window]
 
     def __call__(self, query, key, value, layer: int, scaling: float, window: int | None = None) -> torch.Tensor:
