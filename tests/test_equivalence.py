@@ -113,6 +113,7 @@ def test_verify_cli_writes_json(tmp_path, capsys):
         "unexplained",
     }
     assert len(report["runs"]) == 4 and all(keys <= set(r) for r in report["runs"])
+    assert report["startup"]["forward"].startswith("eager")  # which forward the target ran, as the stats line says
     assert "exact" in capsys.readouterr().out
 
 

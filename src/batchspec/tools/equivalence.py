@@ -118,7 +118,7 @@ def verify(
     prompt_ids = [o.prompt_token_ids for o in ref_outs]
     references = [o.token_ids for o in ref_outs]
     runs = []
-    header = {"models": pair.describe(), "k": k, "max_new_tokens": params.max_new_tokens}
+    header = {"models": pair.describe(), "startup": dict(pair.startup), "k": k, "max_new_tokens": params.max_new_tokens}
     combos = [(m, b) for m in methods for b in batch_sizes]
     for method, batch in tqdm(combos, desc="verify", disable=not progress, leave=False):
         dec = SpecDecoder(
