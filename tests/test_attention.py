@@ -27,6 +27,16 @@ class Heads(torch.nn.Module):
         self.num_key_value_groups, self.is_causal = groups, True
 
 
+def _as_parts(key, value, ends, parts: int, gen) -> tuple[slots.RowParts, slots.RowParts]:
+    """key/value [B, H_kv, span, D] as `slots.RowParts`: the rows in a random order, in up to
+    `parts` groups, each over its own longest row's span (ends [B])."""
+    batch = key.shape[0]
+    order = torch.randperm(batch, generator=gen)
+    groups = [g for g in order.tensor_split(min(parts, batch)) if len(g)]
+    spans = [int(ends[g].max()) for g in groups]
+    return tuple(slots.RowParts([(g, t[g][:, :, :s]) for g, s in zip(groups, spans)]) for t in (key, value))
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
@@ -51,11 +61,7 @@ def test_attention_equals_transformers_sdpa(seed, batch, q, groups, parts):
     want = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)[0]
     got, _ = attention.attention(module, query, key, value, mask, scaling=0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    order = torch.randperm(batch, generator=gen)
-    groups_ = [g for g in order.tensor_split(min(parts, batch)) if len(g)]
-    spans = [int(ends[g].max()) for g in groups_]
-    keys = slots.RowParts([(g, key[g][:, :, :s]) for g, s in zip(groups_, spans)])
-    values = slots.RowParts([(g, value[g][:, :, :s]) for g, s in zip(groups_, spans)])
+    keys, values = _as_parts(key, value, ends, parts, gen)
     got, _ = attention.attention(module, query, keys, values, mask, scaling=0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     got, _ = attention.attention(module, query, keys, values, mask, scaling=0.3, output_attentions=True)
@@ -88,11 +94,7 @@ def test_a_sliding_layer_reads_its_windows_span_and_attends_as_over_the_whole(se
     assert cut[1].shape[2] == cut[0].shape[-1] == span - attention.first_seen(attention.windowed(mask, window))
     got, _ = attention.attention(module, query, key, value, mask, scaling=0.3, sliding_window=window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    order = torch.randperm(batch, generator=gen)
-    groups_ = [g for g in order.tensor_split(min(parts, batch)) if len(g)]
-    spans = [int(ends[g].max()) for g in groups_]
-    keys = slots.RowParts([(g, key[g][:, :, :s]) for g, s in zip(groups_, spans)])
-    values = slots.RowParts([(g, value[g][:, :, :s]) for g, s in zip(groups_, spans)])
+    keys, values = _as_parts(key, value, ends, parts, gen)
     got, _ = attention.attention(module, query, keys, values, mask, scaling=0.3, sliding_window=window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # read from the earliest query's window start: the shortest row's first query, `window` keys back
