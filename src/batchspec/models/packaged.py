@@ -102,7 +102,7 @@ class Packaged:
         return runner
 
     def _package(self, args, folder: Path) -> None:
-        """Export the stack on `args` (ids [1, N], cos and sin [1, N, D]) and compile it into `folder`.
+        """Export the stack on `args` (ids [1, N], cos and sin [K, N, D]) and compile it into `folder`.
         A compiler's OSError is not the cache's: raised as a RuntimeError."""
         dims = None
         if not self.one:  # the graph serves N >= 2 tokens, a rider's included
