@@ -181,11 +181,12 @@ def rope_kinds(decoder: torch.nn.Module) -> list[str | None]:
     return sorted({layer.rope_kind for layer in decoder.layers}, key=str)
 
 
-def rotary(decoder: torch.nn.Module, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [K, b, q, D] for positions [b, q]: the decoder's RoPE table of each of its kinds."""
+def rotary(decoder: torch.nn.Module, kinds, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """cos, sin [K, b, q, D] for positions [b, q]: the decoder's RoPE table of each of `kinds`
+    (`rope_kinds`, which a LeanStack holds)."""
     tables = [
         decoder.rotary_emb(like, positions) if kind is None else decoder.rotary_emb(like, positions, kind)
-        for kind in rope_kinds(decoder)
+        for kind in kinds
     ]
     return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
 
@@ -301,7 +302,7 @@ class CompiledDecoder:
         use_cache: bool | None = None,
         **kwargs,
     ):
-        if not self.serves(input_ids, inputs_embeds, kwargs) or _windowed_cache(cache, use_cache, self.decoder.config):
+        if not self.serves(input_ids, inputs_embeds, kwargs) or (self.windows and _windowed_cache(cache, use_cache)):
             return self.eager(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -357,17 +358,18 @@ class CompiledDecoder:
             position_ids=position_ids,
             allow_is_causal_skip=not self.windows,  # no mask: every key seen, and a window seen past
         )
-        cos, sin = rotary(self.decoder, shape, position_ids.expand(b, q))
+        cos, sin = rotary(self.decoder, self.stack.kinds, shape, position_ids.expand(b, q))
         flat = [ids.reshape(1, b * q)] + [t.reshape(t.shape[0], b * q, t.shape[-1]) for t in (cos, sin)]
         return cache, mask, (b, q), attention.plan(cache, mask, self.decoder.config), flat
 
 
-def _windowed_cache(cache, use_cache: bool | None, config) -> bool:
-    """Whether the forward's cache keeps only a window of some layer's entries (transformers' own
-    sliding layers, whose masks transformers builds per layer kind): the graph's one mask serves
-    caches that keep every entry (batchspec's), so such a forward runs eager."""
+def _windowed_cache(cache, use_cache: bool | None) -> bool:
+    """For a model with sliding layers: whether the forward's cache keeps only a window of some
+    layer's entries (transformers' own sliding layers, whose masks transformers builds per layer
+    kind): the graph's one mask serves caches that keep every entry (batchspec's), so such a
+    forward runs eager."""
     if cache is None:
-        return bool(use_cache) and kv.has_sliding_layers(config)  # transformers' cache would be made
+        return bool(use_cache)  # transformers' cache would be made, with sliding layers
     return any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ()))
 
 
