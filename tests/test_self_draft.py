@@ -390,3 +390,92 @@ def test_the_command_line_asks_for_auto_beside_a_target_unless_the_proposer_need
     assert pair_spec(parse(["generate", "hi"])).draft is None
     with pytest.raises(BatchspecError, match="--draft auto chooses a drafter beside --target"):
         load_pair("tiny", draft="auto")
+
+
+def _user_pair(monkeypatch, **kw):
+    """A user's --target T --draft D, as `_load_spec_pair` returns it (the tiny pair, its draft as
+    theirs), loaded with the target's own copy beside it where memory allows."""
+    from batchspec.models import pair as pair_module
+
+    def load(target, draft, dtype, tp_size=1):
+        assert draft == "user-draft"
+        made = pair_module.tiny_pair(dtype=dtype)
+        made.head = None
+        return made
+
+    monkeypatch.setattr(pair_module, "_load_spec_pair", load)
+    return load_pair(target="user-model", draft="user-draft", dtype="float32", **kw)
+
+
+def _costs_by_model(pair, yours: float, copy: float):
+    """A fake `drafter.measure`: a plain step of 40 ms, verifies 10% dearer a token, and a forward
+    of `yours` or `copy` seconds as the draft measured is the user's or the copy."""
+    forward = {id(pair.draft): yours, id(pair.copy[0]): copy}
+    return lambda config, target, draft: drafter.Costs(tuple(0.04 * (1 + 0.1 * j) for j in range(6)), forward[id(draft)])
+
+
+@pytest.mark.parametrize(
+    ("yours", "copy", "want"), [(0.002, 0.02, "yours"), (0.04, 0.004, "copy"), (0.04, 0.04, "lookup")]
+)
+def test_a_users_draft_runs_beside_the_copy_and_lookup_as_the_measured_costs_choose(monkeypatch, yours, copy, want):
+    """`--target T --draft D`: the target's own int4 copy is built beside their draft, and the
+    cheaper model to draft with runs (or lookup alone, where neither pays), named in the start-up
+    report; every choice is exact against `reference`."""
+    pair = _user_pair(monkeypatch)
+    assert pair.draft_candidate and pair.copy is not None and "your draft model" in pair.startup["drafter"]
+    assert {m.kind for m in pair.copy[0].modules() if isinstance(m, QuantLinear)} >= {"int4"}
+    monkeypatch.setattr(drafter, "measure", _costs_by_model(pair, yours, copy))
+    dec = SpecDecoder(pair, method="ragged", batch_size=3, k="auto")
+    model = {"yours": pair.draft, "copy": pair.copy[0], "lookup": None}[want]
+    assert dec.proposer_name == ("ngram" if want == "lookup" else "draft")
+    assert getattr(dec.proposer, "model", None) is model
+    assert dec.proposer.kv_from_target == (want == "copy")
+    label = {"yours": "auto: your draft model (", "copy": "auto: the target's own copy (", "lookup": "auto: lookup"}
+    assert dec.startup["drafter"].startswith(label[want]) and "accepting" in dec.startup["drafter"]
+    prompts = random_prompts(9, 3, 4, 30)
+    got = dec.generate(prompts, SamplingParams(max_new_tokens=20))
+    assert [o.token_ids for o in got] == reference_tokens(pair, prompts, 20)
+
+
+def test_an_explicit_proposer_runs_the_users_draft(monkeypatch):
+    pair = _user_pair(monkeypatch)
+    monkeypatch.setattr(drafter, "measure", lambda *a: pytest.fail("an explicit --proposer needs no choice"))
+    dec = SpecDecoder(pair, method="ragged", batch_size=2, k="auto", proposer="draft")
+    assert dec.proposer.model is pair.draft and "as asked (beside your draft model)" in dec.startup["drafter"]
+
+
+def test_without_memory_for_the_copy_the_users_draft_is_weighed_against_lookup(monkeypatch):
+    from batchspec.models import pair as pair_module
+
+    monkeypatch.setattr(pair_module, "AUTO_MEMORY_SHARE", 1e-9)
+    pair = _user_pair(monkeypatch)
+    assert pair.copy is None and pair.draft_candidate and "MiB" in pair.startup["drafter"]
+    monkeypatch.setattr(drafter, "measure", lambda *a: drafter.Costs((0.04, 0.044, 0.048), 0.002))
+    dec = SpecDecoder(pair, method="ragged", batch_size=2, k="auto")
+    assert dec.proposer.model is pair.draft and dec.startup["drafter"].startswith("auto: your draft model")
+
+
+def test_a_draft_quantized_as_asked_is_no_candidate(monkeypatch):
+    pair = _user_pair(monkeypatch, draft_quant="int8")
+    assert pair.copy is None and not pair.draft_candidate
+    assert SpecDecoder(pair, method="ragged", batch_size=2, k="auto").proposer.model is pair.draft
+
+
+def test_a_users_drafts_acceptance_is_estimated_from_its_agreement_with_the_target(monkeypatch):
+    """Teacher-forced on a built-in text: the target as its own draft agrees everywhere, the tiny
+    pair's noisy draft less; the estimate is the agreement scaled as the copy's was."""
+    pair = _user_pair(monkeypatch)
+    agreed = drafter.agreement(pair)
+    assert 0.0 < agreed < 1.0
+    assert drafter.estimated_accept(pair) == pytest.approx(agreed * drafter.COPY_ACCEPT / drafter.COPY_AGREEMENT)
+    same = types.SimpleNamespace(tokenizer=pair.tokenizer, draft_vocab_ids=None, device=pair.device)
+    same.target = same.draft = pair.target
+    assert drafter.agreement(same) == 1.0
+    same.draft_vocab_ids = torch.arange(8)  # a reduced head: its scores are not the target's tokens'
+    assert drafter.agreement(same) is None
+
+
+def test_the_users_drafts_measured_acceptance_revises_the_choice():
+    costs = _fake_costs(copy_pays=True)
+    why = drafter.revise(costs, 500, 0.3, drafter.YOURS)
+    assert why.startswith("auto: lookup alone, switched from your draft after 500 drafts accepted at 0.30")

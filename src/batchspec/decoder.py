@@ -41,7 +41,8 @@ class SpecDecoder:
             raise BatchspecError("give either an EngineConfig or keyword options, not both")
         self._apply_mode()
         self.choice = drafter.choose(pair, self.config)  # `--draft auto`: lookup or the copy, measured
-        self.proposer, self.proposer_name = make_proposer(pair, self.config, self.choice and self.choice.proposer)
+        chosen = self.choice.pair if self.choice is not None and self.choice.pair is not None else pair
+        self.proposer, self.proposer_name = make_proposer(chosen, self.config, self.choice and self.choice.proposer)
         self.stats = Stats(device=str(pair.device))
         self.speculation = None  # built on first use: `auto` probes the machine's costs
         self.startup = dict(pair.startup)  # load_s, weights; tuning_s, tuning once measured
@@ -129,9 +130,9 @@ class SpecDecoder:
         uses lookup alone."""
         if self.choice is None or self.choice.costs is None or self.proposer_name != "draft":
             return
-        why = drafter.revise(self.choice.costs, *self.speculation.acceptance())
+        why = drafter.revise(self.choice.costs, *self.speculation.acceptance(), self.choice.label)
         if why is None and self.config.k == "auto":
-            why = drafter.idle(self.stats.chosen_k)
+            why = drafter.idle(self.stats.chosen_k, self.choice.label)
         if why is not None:
             self.choice = drafter.Choice("ngram", why)
             self.proposer, self.proposer_name = make_proposer(self.pair, self.config, "ngram")

@@ -10,7 +10,7 @@ import socket
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlparse
 
 import torch
@@ -62,6 +62,7 @@ class ModelPair:
     draft_candidate: bool = False  # the draft is `--draft auto`'s candidate: policy/drafter.py may run lookup instead
     draft_quant: str | None = None  # the quantization asked for the draft model (int8, int4), if any
     draft_copies_target: bool = False  # the draft is the target's own copy (--draft self): the same KV layout
+    copy: tuple | None = None  # (model, draft_vocab_ids): the target's own copy, a candidate beside a user's draft
     head: torch.nn.Module | None = None  # an EAGLE-style draft head (eagle.py), or None
     startup: dict = field(default_factory=dict)  # {"load_s", "weights"}: how the load went
     _grammars: grammar.Compiler | None = field(default=None, repr=False)  # built on the first grammar
@@ -92,6 +93,12 @@ class ModelPair:
             "dtype": str(self.dtype).removeprefix("torch."),
             "draft_dtype": _dtype_name(self.draft if self.draft is not None else self.head),
         } | ({"drafter": self.drafter} if self.drafter else {})
+
+    def with_copy(self) -> ModelPair:
+        """This pair with its candidate copy of the target (`copy`) as the draft model, as
+        `--draft self` makes it; the target, tokenizer and everything else shared."""
+        model, ids = self.copy
+        return replace(self, draft=model, draft_vocab_ids=ids, draft_copies_target=True, copy=None)
 
     def encode(self, prompt: str | list[int], chat_template: bool = True) -> list[int]:
         """Token ids for one prompt: token-id lists pass through; text gets the chat template when
@@ -257,6 +264,8 @@ def _load_pair(
         _reduce_draft_head(result, draft_vocab, DTYPES[draft_dtype or dtype], draft_quant not in (None, "none"))
     if draft != SELF and draft_quant not in (None, "none"):
         quant.quantize(result.draft, draft_quant)
+    if draft not in (None, SELF) and pair is None and draft_quant in (None, "none"):
+        _add_copy(result, device, tp_size)
     why = (default_eager_reason(pair) if compile is None else None if compile else "--no-compile") or compiled.why_not(
         result.target, tp_size
     )
@@ -264,7 +273,7 @@ def _load_pair(
         lean.install(result.target)  # before tuning: its fused products are tuned too
     # On a CPU: the faster BLAS formulation per row count. Not a sharded target: its linear layers
     # carry transformers' tensor-parallel hooks.
-    for model in (result.target if tp_size == 1 else None, result.draft, result.head):
+    for model in (result.target if tp_size == 1 else None, result.draft, result.head, result.copy and result.copy[0]):
         if model is not None:
             tune_linears(model)
     if why is None:
@@ -297,9 +306,11 @@ def _compile(pair: ModelPair, autotune: bool = False) -> float:
             flush=True,
         )
     seconds = compiled.warm(pair.target)
-    if pair.draft_copies_target and all(isinstance(x, lean.LeanLayer) for x in pair.draft.get_decoder().layers):
-        compiled.install(pair.draft)
-        seconds += compiled.warm(pair.draft)
+    copies = [pair.draft if pair.draft_copies_target else None, pair.copy and pair.copy[0]]
+    for copy in copies:
+        if copy is not None and all(isinstance(x, lean.LeanLayer) for x in copy.get_decoder().layers):
+            compiled.install(copy)
+            seconds += compiled.warm(copy)
     return seconds
 
 
@@ -359,26 +370,47 @@ def _reduce_draft_head(pair: ModelPair, rows: int, dtype: torch.dtype, quantized
 def _use_self_draft(
     pair: ModelPair, device: str, draft_dtype: str | None, draft_quant: str | None, draft_vocab: int | str | None
 ) -> None:
-    """Make the target's quantized copy `pair`'s draft model (quant.self_draft): int4 on a CPU,
-    unquantized on other devices (PyTorch's weight-only kernels are CPU ones); computing in
-    bfloat16 where that is native (oneDNN's check, or a GPU), else float32. Its head is a
-    GrowingHead of `draft_vocab` rows (default vocab.SELF_ROWS) made from the target's head, where
-    the vocabulary is larger."""
+    """Make the target's quantized copy (`_self_copy`) `pair`'s draft model."""
+    pair.draft, pair.draft_vocab_ids, kind = _self_copy(pair, device, draft_dtype, draft_quant, draft_vocab)
+    pair.default_proposer = "draft"
+    pair.draft_copies_target = True
+    pair.name = f"{pair.name} + self ({kind})"
+
+
+def _add_copy(pair: ModelPair, device: str, tp_size: int) -> None:
+    """A user's own draft model (`--draft D`, no --draft-quant): it runs where it pays, beside two
+    more candidates, lookup alone and, where `auto_refusal` finds nothing against it, the target's
+    own int4 copy (`pair.copy`); policy/drafter.py measures them and chooses."""
+    why = auto_refusal(pair.target, device, tp_size)
+    if why is None:
+        model, ids, _ = _self_copy(pair, device, None, None, None)
+        pair.copy = (model, ids)
+    beside = "the target's own int4 copy" if why is None else why.removeprefix("auto: lookup alone ")
+    pair.drafter = f"auto: your draft model, lookup or {beside}, chosen from measured costs"
+    pair.draft_candidate = True
+
+
+def _self_copy(
+    pair: ModelPair, device: str, draft_dtype: str | None, draft_quant: str | None, draft_vocab: int | str | None
+) -> tuple[torch.nn.Module, torch.Tensor | vocab.GrowingHead | None, str]:
+    """(the target's quantized copy, its reduced head's ids or None, the quantization) (quant.self_draft):
+    int4 on a CPU, unquantized on other devices (PyTorch's weight-only kernels are CPU ones);
+    computing in bfloat16 where that is native (oneDNN's check, or a GPU), else float32. Its head
+    is a GrowingHead of `draft_vocab` rows (default vocab.SELF_ROWS) made from the target's head,
+    where the vocabulary is larger."""
     on_cpu = torch.device(device).type == "cpu"
     kind = draft_quant or ("int4" if on_cpu else "none")
     if draft_dtype is None:
         draft_dtype = "bfloat16" if not on_cpu or cpu_has_bf16() else "float32"
     quant.check(kind, device)
-    pair.draft = quant.self_draft(pair.target, kind, DTYPES[draft_dtype])
-    pair.draft.batchspec_source = f"{getattr(pair.target, 'batchspec_source', pair.name)}:self-{kind}-{draft_dtype}"
-    pair.draft_vocab_ids = None
+    model = quant.self_draft(pair.target, kind, DTYPES[draft_dtype])
+    model.batchspec_source = f"{getattr(pair.target, 'batchspec_source', pair.name)}:self-{kind}-{draft_dtype}"
+    ids = None
     rows = vocab.SELF_ROWS if draft_vocab is None else draft_vocab
     if rows != vocab.FULL and rows < pair.vocab_size:
         source = pair.target.get_output_embeddings().weight
-        pair.draft_vocab_ids = vocab.reduce_head(pair.draft, rows, DTYPES[draft_dtype], kind != "none", source)
-    pair.default_proposer = "draft"
-    pair.draft_copies_target = True
-    pair.name = f"{pair.name} + self ({kind})"
+        ids = vocab.reduce_head(model, rows, DTYPES[draft_dtype], kind != "none", source)
+    return model, ids, kind
 
 
 def cast_own(model: torch.nn.Module, dtype: torch.dtype, target: torch.nn.Module) -> None:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..core import tree
 from ..core.config import EngineConfig
 from .costmodel import StepCost, prepare_linears, probe
@@ -77,22 +79,58 @@ def copy_gain(costs: Costs, accept: float = COPY_ACCEPT) -> tuple[float, int]:
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """A model that may draft: `label` names it in reports, `costs` are its own (the target's
+    verifies, its one-token forward), `accept` the conditional acceptance its estimate assumes."""
+
+    label: str
+    costs: Costs
+    accept: float = COPY_ACCEPT
+
+    def gain(self) -> tuple[float, int]:
+        return copy_gain(self.costs, self.accept)
+
+
+COPY = "the target's own copy"
+YOURS = "your draft model"
+
+
+@dataclass(frozen=True)
 class Choice:
-    """What `choose` chose: the proposer to run (None: the one the config names), why, and the
-    costs it was chosen from (None where nothing was measured)."""
+    """What `choose` chose: the proposer to run (None: the one the config names), why, the costs it
+    was chosen from (None where nothing was measured), `label` the model that drafts, and `pair`
+    the pair to build the proposer from where it is not the one given (its copy as the draft)."""
 
     proposer: str | None
     why: str
     costs: Costs | None = None
+    label: str = COPY
+    pair: object | None = None
+
+
+def pick(candidates: list[Candidate]) -> tuple[Candidate | None, str]:
+    """(the candidate with the best expected rate, or None: lookup alone; why, for the start-up
+    report). A model runs only where its rate beats LOOKUP_GAIN."""
+    rated = [(c.gain(), c) for c in candidates]
+    (gain, q), best = max(rated, key=lambda r: r[0][0])
+    parts = []
+    for (g, _), c in rated:
+        accept = "" if c.label == COPY else f" accepting {c.accept:.2f}"
+        parts.append(f"a forward of {_short(c.label)} {1e3 * c.costs.draft:.1f} ms{accept}")
+        if len(rated) > 1:
+            parts.append(f"{_short(c.label)} {g:.2f}x")
+    parts.append(f"a plain step {1e3 * best.costs.verify[0]:.1f} ms")
+    measured = f"measured: {', '.join(parts)}"
+    if gain > LOOKUP_GAIN:
+        return best, f"auto: {best.label} ({measured}; {gain:.2f}x expected at width {q})"
+    return None, f"auto: lookup alone ({measured}; {best.label} at best {gain:.2f}x, lookup {LOOKUP_GAIN}x)"
 
 
 def decide(costs: Costs) -> tuple[str, str]:
-    """(the proposer to run, "draft" or "ngram"; why, for the start-up report) from `costs`."""
-    gain, q = copy_gain(costs)
-    ms = f"a forward of the copy {1e3 * costs.draft:.1f} ms, a plain step {1e3 * costs.verify[0]:.1f} ms"
-    if gain > LOOKUP_GAIN:
-        return "draft", f"auto: the target's own copy (measured: {ms}; {gain:.2f}x expected at width {q})"
-    return "ngram", f"auto: lookup alone (measured: {ms}; the copy at best {gain:.2f}x, lookup {LOOKUP_GAIN}x)"
+    """(the proposer to run, "draft" or "ngram"; why, for the start-up report) for the target's own
+    copy at `costs` against lookup alone."""
+    best, why = pick([Candidate(COPY, costs)])
+    return ("draft" if best else "ngram"), why
 
 
 def measure(config: EngineConfig, target, draft) -> Costs:
@@ -110,16 +148,72 @@ def measure(config: EngineConfig, target, draft) -> Costs:
 
 def choose(pair, config: EngineConfig) -> Choice | None:
     """The proposer to run for a pair whose draft is a candidate, measured, where the config names
-    none (a Choice of None where it does: it runs, as asked); None for any other pair."""
+    none (a Choice of None where it does: it runs, as asked); None for any other pair. With `--draft
+    auto` the candidates are the copy (the pair's draft) and lookup; with a user's draft model,
+    theirs, lookup, and the copy where the pair holds one (`pair.copy`)."""
     if not pair.draft_candidate or not config.speculative:
         return None
+    beside = COPY if pair.draft_copies_target else YOURS
     if config.proposer is not None:
-        return Choice(None, f"auto: --proposer {config.proposer} as asked (beside the target's own int4 copy)")
-    costs = measure(config, pair.target, pair.draft)
-    return Choice(*decide(costs), costs)
+        return Choice(None, f"auto: --proposer {config.proposer} as asked (beside {beside})")
+    if pair.draft_copies_target:
+        costs = measure(config, pair.target, pair.draft)
+        return Choice(*decide(costs), costs)
+    candidates = [Candidate(YOURS, measure(config, pair.target, pair.draft), estimated_accept(pair))]
+    if pair.copy is not None:
+        candidates.append(Candidate(COPY, measure(config, pair.target, pair.copy[0])))
+    best, why = pick(candidates)
+    if best is None:
+        return Choice("ngram", why, candidates[0].costs, YOURS)
+    return Choice("draft", why, best.costs, best.label, pair.with_copy() if best.label == COPY else None)
 
 
-def revise(costs: Costs, tested: float, accepted: float) -> str | None:
+#: Plain prose the agreement of a user's draft model with the target is measured on, teacher-forced
+#: (`agreement`): expository text of the kind chat answers are made of, no domain's jargon.
+TEXT = (
+    "The water cycle describes how water moves between the oceans, the air and the land. Heat from the "
+    "sun warms the surface of the sea, and some of the water evaporates into the air as vapour. As the "
+    "warm, moist air rises, it cools, and the vapour condenses into tiny droplets that form clouds. When "
+    "the droplets grow heavy enough, they fall back to the ground as rain or snow. Some of that water "
+    "flows into rivers and lakes, some soaks into the soil and feeds plants, and some returns to the sea, "
+    "where the cycle begins again. Without this cycle, fresh water would not reach most of the places "
+    "where people, animals and plants live."
+)
+#: The copy's teacher-forced agreement that COPY_ACCEPT was taken from ("A self-draft in int4",
+#: docs/benchmarks.md): a draft's agreement on TEXT is scaled by COPY_ACCEPT / COPY_AGREEMENT, as
+#: the copy's was, into the acceptance its estimate assumes.
+COPY_AGREEMENT = 0.958
+#: The acceptance assumed for a user's draft whose agreement cannot be measured (no tokenizer, or a
+#: reduced head, --draft-vocab, whose scores are not the target's tokens'): a draft model a few
+#: times smaller than its target; `-k auto` and `revise` correct it as it runs.
+DRAFT_ACCEPT = 0.7
+_agreements: dict[int, float] = {}
+
+
+def estimated_accept(pair) -> float:
+    """The acceptance a user's draft model is estimated at (`agreement`, scaled; DRAFT_ACCEPT
+    where it cannot be measured), measured once per draft model."""
+    key = id(pair.draft)
+    if key not in _agreements:
+        agreed = agreement(pair)
+        _agreements[key] = DRAFT_ACCEPT if agreed is None else min(1.0, agreed * COPY_ACCEPT / COPY_AGREEMENT)
+    return _agreements[key]
+
+
+@torch.inference_mode()
+def agreement(pair) -> float | None:
+    """The share of TEXT's next tokens whose greedy choice the pair's draft model shares with the
+    target's, teacher-forced (one forward of each over TEXT); None where the draft's scores are not
+    over the target's tokens (a reduced head) or there is no tokenizer."""
+    if pair.tokenizer is None or pair.draft_vocab_ids is not None:
+        return None
+    ids = torch.tensor([pair.tokenizer(TEXT)["input_ids"]], device=pair.device)
+    want = pair.target(input_ids=ids).logits.argmax(-1)
+    got = pair.draft(input_ids=ids).logits.argmax(-1)
+    return float((got == want).float().mean())
+
+
+def revise(costs: Costs, tested: float, accepted: float, label: str = COPY) -> str | None:
     """After a run with the copy: why to switch to lookup alone, where the copy's drafts `tested`
     (at least REVISE_AFTER) were accepted at a rate `accepted` that leaves its estimate at or under
     lookup's; else None (keep it). One way: lookup's runs measure nothing of the copy."""
@@ -129,12 +223,12 @@ def revise(costs: Costs, tested: float, accepted: float) -> str | None:
     if gain > LOOKUP_GAIN:
         return None
     return (
-        f"auto: lookup alone, switched from the copy after {tested:.0f} drafts accepted at {accepted:.2f} "
-        f"(the copy then {gain:.2f}x, lookup {LOOKUP_GAIN}x)"
+        f"auto: lookup alone, switched from {_short(label)} after {tested:.0f} drafts accepted at {accepted:.2f} "
+        f"({_short(label)} then {gain:.2f}x, lookup {LOOKUP_GAIN}x)"
     )
 
 
-def idle(chosen_k: dict[int, int]) -> str | None:
+def idle(chosen_k: dict[int, int], label: str = COPY) -> str | None:
     """After a run with the copy: why to switch to lookup alone, where the run took at least
     REVISE_AFTER row-steps and drafted with the copy in at most IDLE_SHARE of them (`chosen_k`:
     row-steps by the drafts they verified, Stats.chosen_k); else None."""
@@ -143,6 +237,10 @@ def idle(chosen_k: dict[int, int]) -> str | None:
     if steps < REVISE_AFTER or drafting > IDLE_SHARE * steps:
         return None
     return (
-        f"auto: lookup alone, switched from the copy after -k auto drafted with it in {drafting} of "
+        f"auto: lookup alone, switched from {_short(label)} after -k auto drafted with it in {drafting} of "
         f"{steps} row-steps (it did not pay here; lookup costs nothing to keep)"
     )
+
+
+def _short(label: str) -> str:
+    return "the copy" if label == COPY else "your draft"
