@@ -356,7 +356,8 @@ def test_an_unknown_compile_mode_is_refused_by_name():
 
 def test_a_qwen3_target_is_compiled_and_every_method_equals_the_reference(tmp_path):
     """Qwen3's layers (an RMS norm over each head of q and k before RoPE) are lean and compiled: a
-    pair of them from local directories decodes as the reference through each layout and drafter."""
+    pair of them from local directories (the draft compiled too) decodes as the reference through
+    each layout and drafter."""
     from transformers import Qwen3Config
 
     from batchspec.models.tiny import byte_tokenizer, tiny_models
@@ -385,14 +386,15 @@ def test_a_qwen3_target_is_compiled_and_every_method_equals_the_reference(tmp_pa
         byte_tokenizer(320).save_pretrained(tmp_path / name)
     pair = load_pair(target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), dtype="float64", compile=True)
     assert pair.startup["forward"] == "compiled"
-    assert all(isinstance(layer, lean.LeanLayer) for layer in pair.target.get_decoder().layers)
+    for model in (pair.target, pair.draft):  # the user's draft is compiled as the target is
+        assert all(isinstance(layer, lean.LeanLayer) for layer in model.get_decoder().layers)
     prompts = random_prompts(11, 6, 1, 40)
     want = reference_tokens(pair, prompts, 14)
-    before = _graph_calls(pair)
+    before, drafted = _graph_calls(pair), compiled.compiled(pair.draft).calls
     for method, proposer, batch in (("ar", None, 3), ("ragged", "draft", 4), ("exspec", "ngram", 2)):
         config = {"k": 3, "proposer": proposer} if proposer else {}
         assert decode(pair, prompts, 14, method=method, batch_size=batch, **config) == want, method
-    assert _graph_calls(pair) > before
+    assert _graph_calls(pair) > before and compiled.compiled(pair.draft).calls > drafted
 
 
 @settings(max_examples=4, deadline=None)

@@ -411,7 +411,8 @@ def _costs_by_model(pair, yours: float, copy: float):
     """A fake `drafter.measure`: a plain step of 40 ms, verifies 10% dearer a token, and a forward
     of `yours` or `copy` seconds as the draft measured is the user's or the copy."""
     forward = {id(pair.draft): yours, id(pair.copy[0]): copy}
-    return lambda config, target, draft: drafter.Costs(tuple(0.04 * (1 + 0.1 * j) for j in range(6)), forward[id(draft)])
+    verify = tuple(0.04 * (1 + 0.1 * j) for j in range(6))
+    return lambda config, target, draft: drafter.Costs(verify, forward[id(draft)])
 
 
 @pytest.mark.parametrize(
@@ -479,3 +480,33 @@ def test_the_users_drafts_measured_acceptance_revises_the_choice():
     costs = _fake_costs(copy_pays=True)
     why = drafter.revise(costs, 500, 0.3, drafter.YOURS)
     assert why.startswith("auto: lookup alone, switched from your draft after 500 drafts accepted at 0.30")
+
+
+def test_a_users_draft_accepted_too_rarely_yields_to_the_copy():
+    costs = _fake_costs(copy_pays=True)
+    rival = drafter.Choice("draft", "", costs, drafter.COPY, gain=1.5)
+    why = drafter.revise(costs, 500, 0.3, drafter.YOURS, rival)
+    assert why.startswith("auto: the target's own copy, switched from your draft after 500 drafts accepted at 0.30")
+    assert "the copy 1.50x" in why and drafter.revise(costs, 500, 0.95, drafter.YOURS, rival) is None
+
+
+def test_a_decoder_switches_from_the_users_draft_to_the_copy_after_a_run(monkeypatch):
+    """Their draft chosen first (its forward cheapest), the copy next best: a run whose drafts were
+    accepted at 0.3 hands the next run to the copy, which starts from the target's cache; both runs
+    exact."""
+    from batchspec.policy.speculation import Adaptive
+
+    pair = _user_pair(monkeypatch)
+    monkeypatch.setattr(drafter, "measure", _costs_by_model(pair, 0.002, 0.004))
+    monkeypatch.setattr(drafter, "estimated_accept", lambda pair: drafter.COPY_ACCEPT)  # as the copy's
+    monkeypatch.setattr(Adaptive, "acceptance", lambda self: (200.0, 0.3))
+    dec = SpecDecoder(pair, method="ragged", batch_size=3, k="auto")
+    prompts = random_prompts(10, 3, 4, 30)
+    ran = []
+    for _ in range(2):
+        ran.append((dec.proposer.model, dec.proposer.kv_from_target, dec.startup["drafter"]))
+        got = dec.generate(prompts, SamplingParams(max_new_tokens=16))
+        assert [o.token_ids for o in got] == reference_tokens(pair, prompts, 16)
+    assert [r[:2] for r in ran] == [(pair.draft, False), (pair.copy[0], True)]
+    assert ran[1][2].startswith("auto: the target's own copy, switched from your draft")
+    assert dec.proposer_name == "ngram"  # and the copy, accepted as rarely, yields to lookup

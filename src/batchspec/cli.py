@@ -57,7 +57,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", help="target model: a local HF directory, a .gguf file, or a hub id")
     g.add_argument(
         "--draft",
-        help="draft model (same forms), or self: the target's own weights, quantized (--draft-quant), or "
+        help="draft model (same forms): it runs where the measured costs favour it over the n-gram proposer "
+        "alone and the target's own int4 copy (built beside it with memory to spare; --proposer draft or "
+        "--draft-quant runs it as asked); or self: the target's own weights, quantized (--draft-quant); or "
         "auto (the default beside --target unless --proposer ngram or eagle): self or the n-gram proposer "
         "alone, whichever the measured costs at the batch size favour (self only with memory to spare)",
     )

@@ -6,6 +6,7 @@ Which methods exist, and the runner of each, is `methods.METHODS`.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -40,7 +41,7 @@ class SpecDecoder:
         if config is not None and config_kw:
             raise BatchspecError("give either an EngineConfig or keyword options, not both")
         self._apply_mode()
-        self.choice = drafter.choose(pair, self.config)  # `--draft auto`: lookup or the copy, measured
+        self.choice = drafter.choose(pair, self.config)  # lookup, the copy or a user's draft, measured
         chosen = self.choice.pair if self.choice is not None and self.choice.pair is not None else pair
         self.proposer, self.proposer_name = make_proposer(chosen, self.config, self.choice and self.choice.proposer)
         self.stats = Stats(device=str(pair.device))
@@ -125,17 +126,19 @@ class SpecDecoder:
         return self.stats
 
     def _revise_drafter(self) -> None:
-        """`--draft auto` chose the copy: where its drafts' acceptance on these prompts says lookup
-        pays more (drafter.revise), or `-k auto` hardly drafted with it (drafter.idle), the next run
-        uses lookup alone."""
+        """The choice ran a model (the copy, or a user's draft): where its drafts' acceptance on these
+        prompts says the next best pays more (drafter.revise: the rival model, else lookup alone),
+        the next run uses that; where `-k auto` hardly drafted with it (drafter.idle), lookup alone."""
         if self.choice is None or self.choice.costs is None or self.proposer_name != "draft":
             return
-        why = drafter.revise(self.choice.costs, *self.speculation.acceptance(), self.choice.label)
+        rival = self.choice.rival
+        why = drafter.revise(self.choice.costs, *self.speculation.acceptance(), self.choice.label, rival)
         if why is None and self.config.k == "auto":
-            why = drafter.idle(self.stats.chosen_k, self.choice.label)
+            why, rival = drafter.idle(self.stats.chosen_k, self.choice.label), None
         if why is not None:
-            self.choice = drafter.Choice("ngram", why)
-            self.proposer, self.proposer_name = make_proposer(self.pair, self.config, "ngram")
+            self.choice = drafter.Choice("ngram", why) if rival is None else replace(rival, why=why, rival=None)
+            chosen = self.pair if rival is None else rival.pair or self.pair
+            self.proposer, self.proposer_name = make_proposer(chosen, self.config, self.choice.proposer)
             self.speculation, self.startup["drafter"] = None, why
 
     def _apply_mode(self) -> None:

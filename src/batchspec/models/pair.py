@@ -252,6 +252,11 @@ def _load_pair(
         result.head.to(device)  # its copy of the target's output rows too; the embedding is shared
     if result.draft_vocab_ids is not None:
         result.draft_vocab_ids = result.draft_vocab_ids.to(device)
+    why = (default_eager_reason(pair) if compile is None else None if compile else "--no-compile") or compiled.why_not(
+        result.target, tp_size
+    )
+    if why is None and pair is None and draft not in (None, SELF, AUTO) and compiled.why_not(result.draft) is None:
+        lean.install(result.draft)  # a user's draft compiled as its target is; before its cast, head and quantization
     if draft == AUTO:
         draft = _choose_auto(result, device, tp_size, draft_vocab)
     if draft == SELF:
@@ -266,9 +271,6 @@ def _load_pair(
         quant.quantize(result.draft, draft_quant)
     if draft not in (None, SELF) and pair is None and draft_quant in (None, "none"):
         _add_copy(result, device, tp_size)
-    why = (default_eager_reason(pair) if compile is None else None if compile else "--no-compile") or compiled.why_not(
-        result.target, tp_size
-    )
     if why is None:
         lean.install(result.target)  # before tuning: its fused products are tuned too
     # On a CPU: the faster BLAS formulation per row count. Not a sharded target: its linear layers
@@ -294,8 +296,8 @@ def _load_pair(
 
 def _compile(pair: ModelPair, autotune: bool = False) -> float:
     """Compile the target's decoder (`autotune`: its weights frozen, its products tuned kernels), and
-    its own copy's where the draft is one of lean layers (the copy's int4/int8 products are PyTorch
-    kernels, traced into its graph); seconds taken. An autotuned start that must compile says so
+    each draft model's of lean layers (the target's own copy, whose int4/int8 products are PyTorch
+    kernels traced into its graph, and a user's draft); seconds taken. An autotuned start that must compile says so
     first: it takes minutes."""
     compiled.install(pair.target, autotune=autotune)
     if autotune and not compiled.compiled(pair.target).packaged():
@@ -306,12 +308,17 @@ def _compile(pair: ModelPair, autotune: bool = False) -> float:
             flush=True,
         )
     seconds = compiled.warm(pair.target)
-    copies = [pair.draft if pair.draft_copies_target else None, pair.copy and pair.copy[0]]
-    for copy in copies:
-        if copy is not None and all(isinstance(x, lean.LeanLayer) for x in copy.get_decoder().layers):
-            compiled.install(copy)
-            seconds += compiled.warm(copy)
+    for model in (pair.draft, pair.copy and pair.copy[0]):  # a draft of lean layers: the copy's, a user's
+        if _lean(model):
+            compiled.install(model)
+            seconds += compiled.warm(model)
     return seconds
+
+
+def _lean(model: torch.nn.Module | None) -> bool:
+    """Whether `model` is a transformers causal LM whose decoder layers are all lean.install'ed."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return decoder is not None and all(isinstance(x, lean.LeanLayer) for x in decoder.layers)
 
 
 def _choose_auto(pair: ModelPair, device: str, tp_size: int, draft_vocab) -> str | None:

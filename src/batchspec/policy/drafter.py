@@ -1,31 +1,34 @@
-"""`--draft auto`: lookup alone or the target's own quantized copy, chosen from measured costs.
+"""Which model drafts, chosen from measured costs: `--draft auto`, and a user's own `--draft D`.
 
-A pair loaded with `--draft auto` brings the copy as a candidate (`ModelPair.draft_candidate`);
-unless `--proposer` names one, the decoder and the server ask `choose` which proposer to run. The
-costs are those `-k auto` probes anyway (costmodel.probe, kept in the tuning cache; with a fixed k
-they are probed for the choice alone): the target's forward of q tokens a row, t_q, and the copy's
-one-token forward, c, at the batch's rows. Each candidate's expected rate, as a multiple of plain
-decoding's:
+A pair loaded with `--draft auto` brings the target's own int4 copy as a candidate
+(`ModelPair.draft_candidate`); one loaded with `--target T --draft D` (no --draft-quant) brings their
+draft D, and beside it the copy where memory allows (`ModelPair.copy`). Unless `--proposer` names
+one, the decoder and the server ask `choose` which to run: lookup alone, or the model with the best
+expected rate. The costs are those `-k auto` probes anyway (costmodel.probe, kept in the tuning
+cache; with a fixed k they are probed for the choice alone): the target's forward of q tokens a
+row, t_q, and the model's one-token forward, c, at the batch's rows. Each candidate's expected
+rate, as a multiple of plain decoding's:
 
-    copy:   max over q = 2 .. k_max + 1 of  E(q) t_1 / (t_q + (q - 1) c),   E(q) = 1 + a + ... + a^(q-1)
+    model:  max over q = 2 .. k_max + 1 of  E(q) t_1 / (t_q + (q - 1) c),   E(q) = 1 + a + ... + a^(q-1)
             (a fixed k: at q = k + 1 alone, the width every step verifies)
     lookup: LOOKUP_GAIN
 
-with a = COPY_ACCEPT. Both are acceptances measured before (docs/benchmarks.md, "The drafter a
-user's model gets"), not on the user's text: what this step measures is the costs, which decide
-the choice on a CPU (an int4 product is fast with bfloat16 units and slow without; a copy of a
-small target costs most of a target step). The larger runs; `-k auto` then decides every step
-whether to draft at all, so a wrong guess costs at most the k = 0 floor's exploring steps. After a
-run with the copy, the acceptance its drafts met on the user's prompts replaces the guess
-(`revise`): where the copy's estimate then falls to lookup's, the decoder's next run uses lookup.
-So does a run in which `-k auto` drafted with the copy in at most IDLE_SHARE of its row-steps
-(`idle`): the policy found it not worth drafting with, so no acceptance is learned, and lookup costs
-nothing to keep.
+with a = COPY_ACCEPT for the copy, and for D its greedy agreement with the target, teacher-forced
+on a built-in text, scaled as the copy's was (`estimated_accept`). These are acceptances measured
+before or on other text, not on the user's prompts: what this step measures is the costs, which
+decide the choice on a CPU (an int4 product is fast with bfloat16 units and slow without; a copy
+of a small target, or a sibling a third its size, costs most of a target step). The best runs;
+`-k auto` then decides every step whether to draft at all, so a wrong guess costs at most the k = 0
+floor's exploring steps. After a run with a model, the acceptance its drafts met on the user's
+prompts replaces the guess (`revise`): where its estimate then falls to lookup's, the decoder's
+next run uses lookup. So does a run in which `-k auto` drafted with it in at most IDLE_SHARE of its
+row-steps (`idle`): the policy found it not worth drafting with, so no acceptance is learned, and
+lookup costs nothing to keep. (A switch is to lookup only, and a server keeps its first choice.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -99,13 +102,16 @@ YOURS = "your draft model"
 class Choice:
     """What `choose` chose: the proposer to run (None: the one the config names), why, the costs it
     was chosen from (None where nothing was measured), `label` the model that drafts, and `pair`
-    the pair to build the proposer from where it is not the one given (its copy as the draft)."""
+    the pair to build the proposer from where it is not the one given (its copy as the draft).
+    `rival`: what `revise` switches to, where it is not lookup alone."""
 
     proposer: str | None
     why: str
     costs: Costs | None = None
     label: str = COPY
     pair: object | None = None
+    gain: float = 1.0  # the expected rate it was chosen at
+    rival: Choice | None = None  # the copy, where it would beat lookup, beside a user's draft chosen
 
 
 def pick(candidates: list[Candidate]) -> tuple[Candidate | None, str]:
@@ -165,7 +171,16 @@ def choose(pair, config: EngineConfig) -> Choice | None:
     best, why = pick(candidates)
     if best is None:
         return Choice("ngram", why, candidates[0].costs, YOURS)
-    return Choice("draft", why, best.costs, best.label, pair.with_copy() if best.label == COPY else None)
+    chosen = [_choice(pair, c, why) for c in candidates]
+    ranked = sorted(chosen, key=lambda c: -c.gain)
+    rival = ranked[1] if len(ranked) > 1 and ranked[1].gain > LOOKUP_GAIN else None
+    return replace(ranked[0], rival=rival)
+
+
+def _choice(pair, candidate: Candidate, why: str) -> Choice:
+    """The Choice that runs `candidate` of `pair`'s (the copy: through the pair's view with it)."""
+    view = pair.with_copy() if candidate.label == COPY else None
+    return Choice("draft", why, candidate.costs, candidate.label, view, candidate.gain()[0])
 
 
 #: Plain prose the agreement of a user's draft model with the target is measured on, teacher-forced
@@ -213,18 +228,20 @@ def agreement(pair) -> float | None:
     return float((got == want).float().mean())
 
 
-def revise(costs: Costs, tested: float, accepted: float, label: str = COPY) -> str | None:
-    """After a run with the copy: why to switch to lookup alone, where the copy's drafts `tested`
-    (at least REVISE_AFTER) were accepted at a rate `accepted` that leaves its estimate at or under
-    lookup's; else None (keep it). One way: lookup's runs measure nothing of the copy."""
+def revise(costs: Costs, tested: float, accepted: float, label: str = COPY, rival: Choice | None = None) -> str | None:
+    """After a run with a model (`label`): why to switch, where its drafts `tested` (at least
+    REVISE_AFTER) were accepted at a rate `accepted` that leaves its estimate at or under the next
+    best's: `rival` (the copy beside a user's draft, at its own estimate) or else lookup alone;
+    None: keep it. One way: the runs after the switch measure nothing of the model left."""
     if tested < REVISE_AFTER:
         return None
     gain, _ = copy_gain(costs, accepted)
-    if gain > LOOKUP_GAIN:
+    bar, to = (rival.gain, rival.label) if rival is not None else (LOOKUP_GAIN, "lookup alone")
+    if gain > bar:
         return None
     return (
-        f"auto: lookup alone, switched from {_short(label)} after {tested:.0f} drafts accepted at {accepted:.2f} "
-        f"({_short(label)} then {gain:.2f}x, lookup {LOOKUP_GAIN}x)"
+        f"auto: {to}, switched from {_short(label)} after {tested:.0f} drafts accepted at {accepted:.2f} "
+        f"({_short(label)} then {gain:.2f}x, {_short(to)} {bar:.2f}x)"
     )
 
 
@@ -243,4 +260,4 @@ def idle(chosen_k: dict[int, int], label: str = COPY) -> str | None:
 
 
 def _short(label: str) -> str:
-    return "the copy" if label == COPY else "your draft"
+    return {COPY: "the copy", YOURS: "your draft", "lookup alone": "lookup"}[label]
