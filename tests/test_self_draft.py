@@ -394,7 +394,8 @@ def test_the_command_line_asks_for_auto_beside_a_target_unless_the_proposer_need
 
 def _user_pair(monkeypatch, **kw):
     """A user's --target T --draft D, as `_load_spec_pair` returns it (the tiny pair, its draft as
-    theirs), loaded with the target's own copy beside it where memory allows."""
+    theirs), loaded with the target's own copy beside it where memory allows; eager, for speed (a
+    user's draft compiled: tests/test_compiled.py)."""
     from batchspec.models import pair as pair_module
 
     def load(target, draft, dtype, tp_size=1):
@@ -404,7 +405,7 @@ def _user_pair(monkeypatch, **kw):
         return made
 
     monkeypatch.setattr(pair_module, "_load_spec_pair", load)
-    return load_pair(target="user-model", draft="user-draft", dtype="float32", **kw)
+    return load_pair(target="user-model", draft="user-draft", dtype="float32", compile=False, **kw)
 
 
 def _costs_by_model(pair, yours: float, copy: float):
