@@ -426,6 +426,7 @@ def test_a_users_draft_runs_beside_the_copy_and_lookup_as_the_measured_costs_cho
     pair = _user_pair(monkeypatch)
     assert pair.draft_candidate and pair.copy is not None and "your draft model" in pair.startup["drafter"]
     assert {m.kind for m in pair.copy[0].modules() if isinstance(m, QuantLinear)} >= {"int4"}
+    assert pair.describe()["copy"]["bytes"] < pair.describe()["target"]["bytes"]
     monkeypatch.setattr(drafter, "measure", _costs_by_model(pair, yours, copy))
     dec = SpecDecoder(pair, method="ragged", batch_size=3, k="auto")
     model = {"yours": pair.draft, "copy": pair.copy[0], "lookup": None}[want]

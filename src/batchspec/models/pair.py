@@ -86,13 +86,17 @@ class ModelPair:
             size = quant.own_bytes(m, None if m is self.target else self.target)
             return {"class": type(m).__name__, "parameters": sum(p.numel() for p in m.parameters()), "bytes": size}
 
-        return {
-            "pair": self.name,
-            "target": info(self.target),
-            "draft": info(self.draft),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "draft_dtype": _dtype_name(self.draft if self.draft is not None else self.head),
-        } | ({"drafter": self.drafter} if self.drafter else {})
+        return (
+            {
+                "pair": self.name,
+                "target": info(self.target),
+                "draft": info(self.draft),
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "draft_dtype": _dtype_name(self.draft if self.draft is not None else self.head),
+            }
+            | ({"drafter": self.drafter} if self.drafter else {})
+            | ({"copy": info(self.copy[0])} if self.copy else {})
+        )
 
     def with_copy(self) -> ModelPair:
         """This pair with its candidate copy of the target (`copy`) as the draft model, as

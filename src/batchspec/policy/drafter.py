@@ -28,6 +28,7 @@ lookup costs nothing to keep. (A switch is to lookup only, and a server keeps it
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -202,17 +203,16 @@ COPY_AGREEMENT = 0.958
 #: reduced head, --draft-vocab, whose scores are not the target's tokens'): a draft model a few
 #: times smaller than its target; `-k auto` and `revise` correct it as it runs.
 DRAFT_ACCEPT = 0.7
-_agreements: dict[int, float] = {}
+_agreements: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft model -> its estimate
 
 
 def estimated_accept(pair) -> float:
     """The acceptance a user's draft model is estimated at (`agreement`, scaled; DRAFT_ACCEPT
     where it cannot be measured), measured once per draft model."""
-    key = id(pair.draft)
-    if key not in _agreements:
+    if pair.draft not in _agreements:
         agreed = agreement(pair)
-        _agreements[key] = DRAFT_ACCEPT if agreed is None else min(1.0, agreed * COPY_ACCEPT / COPY_AGREEMENT)
-    return _agreements[key]
+        _agreements[pair.draft] = DRAFT_ACCEPT if agreed is None else min(1.0, agreed * COPY_ACCEPT / COPY_AGREEMENT)
+    return _agreements[pair.draft]
 
 
 @torch.inference_mode()
