@@ -512,3 +512,15 @@ def test_a_decoder_switches_from_the_users_draft_to_the_copy_after_a_run(monkeyp
     assert [r[:2] for r in ran] == [(pair.draft, False), (pair.copy[0], True)]
     assert ran[1][2].startswith("auto: the target's own copy, switched from your draft")
     assert dec.proposer_name == "ngram"  # and the copy, accepted as rarely, yields to lookup
+
+
+def test_under_tensor_parallelism_a_users_draft_runs_as_given():
+    """Every rank must run the same proposer, and each would time its own candidates: under --tp
+    their draft is no candidate and no copy is built."""
+    from batchspec.models import pair as pair_module
+
+    pair = pair_module.tiny_pair()
+    pair_module._add_copy(pair, "cpu", 2)
+    assert pair.copy is None and not pair.draft_candidate and not pair.drafter
+    pair_module._add_copy(pair, "cpu", 1)
+    assert pair.copy is not None and pair.draft_candidate

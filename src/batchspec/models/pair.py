@@ -391,7 +391,10 @@ def _use_self_draft(
 def _add_copy(pair: ModelPair, device: str, tp_size: int) -> None:
     """A user's own draft model (`--draft D`, no --draft-quant): it runs where it pays, beside two
     more candidates, lookup alone and, where `auto_refusal` finds nothing against it, the target's
-    own int4 copy (`pair.copy`); policy/drafter.py measures them and chooses."""
+    own int4 copy (`pair.copy`); policy/drafter.py measures them and chooses. Not under `--tp`:
+    each rank would time its own candidates, and every rank must run the same proposer."""
+    if tp_size > 1:
+        return
     why = auto_refusal(pair.target, device, tp_size)
     if why is None:
         model, ids, _ = _self_copy(pair, device, None, None, None)
