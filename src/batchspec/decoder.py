@@ -42,8 +42,8 @@ class SpecDecoder:
             raise BatchspecError("give either an EngineConfig or keyword options, not both")
         self._apply_mode()
         self.choice = drafter.choose(pair, self.config)  # lookup, the copy or a user's draft, measured
-        chosen = self.choice.pair if self.choice is not None and self.choice.pair is not None else pair
-        self.proposer, self.proposer_name = make_proposer(chosen, self.config, self.choice and self.choice.proposer)
+        runs_on = drafter.pair_to_run(self.choice, pair)
+        self.proposer, self.proposer_name = make_proposer(runs_on, self.config, self.choice and self.choice.proposer)
         self.stats = Stats(device=str(pair.device))
         self.speculation = None  # built on first use: `auto` probes the machine's costs
         self.startup = dict(pair.startup)  # load_s, weights; tuning_s, tuning once measured
@@ -137,8 +137,8 @@ class SpecDecoder:
             why, rival = drafter.idle(self.stats.chosen_k, self.choice.label), None
         if why is not None:
             self.choice = drafter.Choice("ngram", why) if rival is None else replace(rival, why=why, rival=None)
-            chosen = self.pair if rival is None else rival.pair or self.pair
-            self.proposer, self.proposer_name = make_proposer(chosen, self.config, self.choice.proposer)
+            runs_on = drafter.pair_to_run(self.choice, self.pair)
+            self.proposer, self.proposer_name = make_proposer(runs_on, self.config, self.choice.proposer)
             self.speculation, self.startup["drafter"] = None, why
 
     def _apply_mode(self) -> None:

@@ -301,8 +301,8 @@ def _load_pair(
 def _compile(pair: ModelPair, autotune: bool = False) -> float:
     """Compile the target's decoder (`autotune`: its weights frozen, its products tuned kernels), and
     each draft model's of lean layers (the target's own copy, whose int4/int8 products are PyTorch
-    kernels traced into its graph, and a user's draft); seconds taken. An autotuned start that must compile says so
-    first: it takes minutes."""
+    kernels traced into its graph, and a user's draft); seconds taken. An autotuned start that must
+    compile says so first: it takes minutes."""
     compiled.install(pair.target, autotune=autotune)
     if autotune and not compiled.compiled(pair.target).packaged():
         print(

@@ -20,10 +20,11 @@ decide the choice on a CPU (an int4 product is fast with bfloat16 units and slow
 of a small target, or a sibling a third its size, costs most of a target step). The best runs;
 `-k auto` then decides every step whether to draft at all, so a wrong guess costs at most the k = 0
 floor's exploring steps. After a run with a model, the acceptance its drafts met on the user's
-prompts replaces the guess (`revise`): where its estimate then falls to lookup's, the decoder's
-next run uses lookup. So does a run in which `-k auto` drafted with it in at most IDLE_SHARE of its
-row-steps (`idle`): the policy found it not worth drafting with, so no acceptance is learned, and
-lookup costs nothing to keep. (A switch is to lookup only, and a server keeps its first choice.)
+prompts replaces the guess (`revise`): where its estimate then falls to the next best's (the other
+model beside a user's draft, where that one beats lookup; else lookup's), the decoder's next run
+uses that. A run in which `-k auto` drafted with it in at most IDLE_SHARE of its row-steps (`idle`)
+switches to lookup: the policy found it not worth drafting with, so no acceptance is learned, and
+lookup costs nothing to keep. (A server keeps its first choice.)
 """
 
 from __future__ import annotations
@@ -172,10 +173,13 @@ def choose(pair, config: EngineConfig) -> Choice | None:
     best, why = pick(candidates)
     if best is None:
         return Choice("ngram", why, candidates[0].costs, YOURS)
-    chosen = [_choice(pair, c, why) for c in candidates]
-    ranked = sorted(chosen, key=lambda c: -c.gain)
-    rival = ranked[1] if len(ranked) > 1 and ranked[1].gain > LOOKUP_GAIN else None
-    return replace(ranked[0], rival=rival)
+    rival = next((c for c in candidates if c is not best and c.gain()[0] > LOOKUP_GAIN), None)
+    return replace(_choice(pair, best, why), rival=rival and _choice(pair, rival, why))
+
+
+def pair_to_run(choice: Choice | None, pair):
+    """The pair to build `choice`'s proposer from: its view with the copy as the draft, else `pair`."""
+    return choice.pair if choice is not None and choice.pair is not None else pair
 
 
 def _choice(pair, candidate: Candidate, why: str) -> Choice:
@@ -246,8 +250,8 @@ def revise(costs: Costs, tested: float, accepted: float, label: str = COPY, riva
 
 
 def idle(chosen_k: dict[int, int], label: str = COPY) -> str | None:
-    """After a run with the copy: why to switch to lookup alone, where the run took at least
-    REVISE_AFTER row-steps and drafted with the copy in at most IDLE_SHARE of them (`chosen_k`:
+    """After a run with a model (`label`): why to switch to lookup alone, where the run took at
+    least REVISE_AFTER row-steps and drafted with it in at most IDLE_SHARE of them (`chosen_k`:
     row-steps by the drafts they verified, Stats.chosen_k); else None."""
     steps = sum(chosen_k.values())
     drafting = sum(n for k, n in chosen_k.items() if k > 0)

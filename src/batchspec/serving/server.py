@@ -437,8 +437,8 @@ def _build_service(config: ServeConfig, worker: EngineThread) -> Service:
     pair = config.models.load()
     invariant.apply(pair.target, config.engine.batch_invariant)
     choice = None if config.no_spec else drafter.choose(pair, config.engine)
-    chosen = choice.pair if choice is not None and choice.pair is not None else pair
-    proposer, _ = (None, None) if config.no_spec else make_proposer(chosen, config.engine, choice and choice.proposer)
+    runs_on = drafter.pair_to_run(choice, pair)
+    proposer, _ = (None, None) if config.no_spec else make_proposer(runs_on, config.engine, choice and choice.proposer)
     speculation, report = prepare(config.engine, pair.target, proposer)  # from the cache where it has them
     ctx = Context.of(pair, proposer, config.k, speculation)
     budget = config.kv_budget(pair.context_len)
