@@ -283,6 +283,9 @@ def test_a_multi_turn_chat_starts_each_turn_from_the_cached_history(server):
     assert after["batchspec_prefix_cache_hits_total"] - before["batchspec_prefix_cache_hits_total"] >= 3
     reused = after["batchspec_prefix_cache_reused_tokens_total"] - before["batchspec_prefix_cache_reused_tokens_total"]
     assert reused >= 3 * 32
+    for stage in ("prefill", "verify"):  # the engine's time by stage, as operators read it
+        key = f'batchspec_stage_seconds_total{{stage="{stage}"}}'
+        assert after[key] > before[key]
 
 
 _TINY64 = {}

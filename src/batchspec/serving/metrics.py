@@ -31,6 +31,12 @@ class EngineCollector:
         yield _counter("batchspec_draft_tokens_proposed", "Draft tokens proposed", stats.proposed_drafts)
         yield _counter("batchspec_draft_tokens_accepted", "Draft tokens accepted", _accepted(stats))
         yield _counter("batchspec_decode_steps", "Decode steps of the whole batch", stats.steps)
+        stages = CounterMetricFamily(
+            "batchspec_stage_seconds", "Engine seconds by stage of a step (prefill, draft, verify, ...)", labels=["stage"]
+        )
+        for stage, seconds in sorted(dict(stats.stage_s).items()):  # a copy: the engine thread writes it
+            stages.add_metric([stage], seconds)
+        yield stages
         mean = stats.step_tokens / stats.row_steps if stats.row_steps else 0.0
         yield _gauge("batchspec_mean_tokens_per_step", "Tokens per row per decode step, mean since start", mean)
         yield _gauge("batchspec_queue_length", "Requests waiting for a row", counters.queue_length)
