@@ -386,8 +386,9 @@ def test_a_qwen3_target_is_compiled_and_every_method_equals_the_reference(tmp_pa
         byte_tokenizer(320).save_pretrained(tmp_path / name)
     pair = load_pair(target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), dtype="float64", compile=True)
     assert pair.startup["forward"] == "compiled"
-    for model in (pair.target, pair.draft):  # the user's draft is compiled as the target is
+    for model in (pair.target, pair.draft, pair.draft_int4[0]):  # the user's draft (and its int4 copy)
         assert all(isinstance(layer, lean.LeanLayer) for layer in model.get_decoder().layers)
+    assert compiled.compiled(pair.draft_int4[0]) is not None
     prompts = random_prompts(11, 6, 1, 40)
     want = reference_tokens(pair, prompts, 14)
     before, drafted = _graph_calls(pair), compiled.compiled(pair.draft).calls

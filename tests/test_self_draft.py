@@ -408,32 +408,49 @@ def _user_pair(monkeypatch, **kw):
     return load_pair(target="user-model", draft="user-draft", dtype="float32", compile=False, **kw)
 
 
-def _costs_by_model(pair, yours: float, copy: float):
+def _costs_by_model(pair, yours: float, copy: float, int4: float = 0.04):
     """A fake `drafter.measure`: a plain step of 40 ms, verifies 10% dearer a token, and a forward
-    of `yours` or `copy` seconds as the draft measured is the user's or the copy."""
-    forward = {id(pair.draft): yours, id(pair.copy[0]): copy}
+    of `yours`, `copy` or `int4` seconds as the draft measured is the user's, the target's copy or
+    the user's in int4."""
+    forward = {id(pair.draft): yours, id(pair.copy[0]): copy, id(pair.draft_int4[0]): int4}
     verify = tuple(0.04 * (1 + 0.1 * j) for j in range(6))
     return lambda config, target, draft: drafter.Costs(verify, forward[id(draft)])
 
 
 @pytest.mark.parametrize(
-    ("yours", "copy", "want"), [(0.002, 0.02, "yours"), (0.04, 0.004, "copy"), (0.04, 0.04, "lookup")]
+    ("yours", "copy", "int4", "want"),
+    [
+        (0.002, 0.02, 0.04, "yours"),
+        (0.04, 0.004, 0.04, "copy"),
+        (0.04, 0.04, 0.001, "int4"),
+        (0.04, 0.04, 0.04, "lookup"),
+    ],
 )
-def test_a_users_draft_runs_beside_the_copy_and_lookup_as_the_measured_costs_choose(monkeypatch, yours, copy, want):
-    """`--target T --draft D`: the target's own int4 copy is built beside their draft, and the
-    cheaper model to draft with runs (or lookup alone, where neither pays), named in the start-up
+def test_a_users_draft_runs_beside_the_copies_and_lookup_as_the_measured_costs_choose(
+    monkeypatch, yours, copy, int4, want
+):
+    """`--target T --draft D`: the target's own int4 copy and D's are built beside their draft, and
+    the cheapest model to draft with runs (or lookup alone, where none pays), named in the start-up
     report; every choice is exact against `reference`."""
     pair = _user_pair(monkeypatch)
-    assert pair.draft_candidate and pair.copy is not None and "your draft model" in pair.startup["drafter"]
-    assert {m.kind for m in pair.copy[0].modules() if isinstance(m, QuantLinear)} >= {"int4"}
+    assert pair.draft_candidate and pair.copy is not None and pair.draft_int4 is not None
+    assert pair.startup["drafter"].startswith("auto: your draft model, lookup, your draft in int4, the target's")
+    for model in (pair.copy[0], pair.draft_int4[0]):
+        assert {m.kind for m in model.modules() if isinstance(m, QuantLinear)} >= {"int4"}
     assert pair.describe()["copy"]["bytes"] < pair.describe()["target"]["bytes"]
-    monkeypatch.setattr(drafter, "measure", _costs_by_model(pair, yours, copy))
+    assert pair.describe()["draft_int4"]["bytes"] < pair.describe()["draft"]["bytes"]
+    monkeypatch.setattr(drafter, "measure", _costs_by_model(pair, yours, copy, int4))
     dec = SpecDecoder(pair, method="ragged", batch_size=3, k="auto")
-    model = {"yours": pair.draft, "copy": pair.copy[0], "lookup": None}[want]
+    model = {"yours": pair.draft, "copy": pair.copy[0], "int4": pair.draft_int4[0], "lookup": None}[want]
     assert dec.proposer_name == ("ngram" if want == "lookup" else "draft")
     assert getattr(dec.proposer, "model", None) is model
     assert dec.proposer.kv_from_target == (want == "copy")
-    label = {"yours": "auto: your draft model (", "copy": "auto: the target's own copy (", "lookup": "auto: lookup"}
+    label = {
+        "yours": "auto: your draft model (",
+        "copy": "auto: the target's own copy (",
+        "int4": "auto: your draft model in int4 (",
+        "lookup": "auto: lookup",
+    }
     assert dec.startup["drafter"].startswith(label[want]) and "accepting" in dec.startup["drafter"]
     prompts = random_prompts(9, 3, 4, 30)
     got = dec.generate(prompts, SamplingParams(max_new_tokens=20))
@@ -452,15 +469,50 @@ def test_without_memory_for_the_copy_the_users_draft_is_weighed_against_lookup(m
 
     monkeypatch.setattr(pair_module, "AUTO_MEMORY_SHARE", 1e-9)
     pair = _user_pair(monkeypatch)
-    assert pair.copy is None and pair.draft_candidate and "MiB" in pair.startup["drafter"]
+    assert pair.copy is None and pair.draft_int4 is None and pair.draft_candidate
+    assert "MiB" in pair.startup["drafter"] and "not your draft in int4 (it needs ~" in pair.startup["drafter"]
     monkeypatch.setattr(drafter, "measure", lambda *a: drafter.Costs((0.04, 0.044, 0.048), 0.002))
     dec = SpecDecoder(pair, method="ragged", batch_size=2, k="auto")
     assert dec.proposer.model is pair.draft and dec.startup["drafter"].startswith("auto: your draft model")
 
 
+def test_the_users_draft_in_int4_is_built_only_where_it_is_another_model_and_memory_is_left(monkeypatch):
+    """D's int4 copy needs memory left after the target's copy, and is not built where D holds the
+    target's own weights (the target's copy is that model)."""
+    from batchspec.models import pair as pair_module
+
+    pair = pair_module.tiny_pair()
+    copy_bytes = pair_module.int4_bytes(pair.target)
+    budget = pair_module._Budget(10**9, copy_bytes + 0.5 * pair_module.int4_bytes(pair.draft))
+    monkeypatch.setattr(pair_module, "_memory_budget", lambda: budget)
+    pair_module._add_candidates(pair, "cpu", 1)
+    assert pair.copy is not None and pair.draft_int4 is None
+    assert "not your draft in int4 (it needs ~" in pair.drafter
+    same = pair_module.tiny_pair()
+    same.target.batchspec_source = same.draft.batchspec_source = "file-digest"
+    monkeypatch.setattr(pair_module, "_memory_budget", lambda: pair_module._Budget(10**12, 10**12))
+    pair_module._add_candidates(same, "cpu", 1)
+    assert same.copy is not None and same.draft_int4 is None and "the same weights as the target" in same.drafter
+    pair_module._add_candidates(other := pair_module.tiny_pair(), "cpu", 1)
+    assert other.draft_int4 is not None and other.draft_int4[0] is not other.draft
+
+
+def test_the_users_draft_in_int4_is_estimated_from_its_own_agreement(monkeypatch):
+    """Measured as their draft's is, where its scores are the target's tokens'; else their draft's
+    estimate scaled by what int4 kept of the target's agreement."""
+    pair = _user_pair(monkeypatch)
+    view = pair.with_draft_int4()
+    assert view.draft is pair.draft_int4[0] and view.copy is None and not view.draft_copies_target
+    agreed = drafter.agreement(view)
+    assert drafter.estimated_accept(view, pair) == pytest.approx(agreed * drafter.COPY_ACCEPT / drafter.COPY_AGREEMENT)
+    reduced = types.SimpleNamespace(draft=torch.nn.Linear(2, 2), draft_vocab_ids=torch.arange(8), tokenizer=None)
+    want = drafter.estimated_accept(pair) * drafter.COPY_AGREEMENT
+    assert drafter.estimated_accept(reduced, pair) == pytest.approx(want)
+
+
 def test_a_draft_quantized_as_asked_is_no_candidate(monkeypatch):
     pair = _user_pair(monkeypatch, draft_quant="int8")
-    assert pair.copy is None and not pair.draft_candidate
+    assert pair.copy is None and pair.draft_int4 is None and not pair.draft_candidate
     assert SpecDecoder(pair, method="ragged", batch_size=2, k="auto").proposer.model is pair.draft
 
 
@@ -500,7 +552,7 @@ def test_a_decoder_switches_from_the_users_draft_to_the_copy_after_a_run(monkeyp
 
     pair = _user_pair(monkeypatch)
     monkeypatch.setattr(drafter, "measure", _costs_by_model(pair, 0.002, 0.004))
-    monkeypatch.setattr(drafter, "estimated_accept", lambda pair: drafter.COPY_ACCEPT)  # as the copy's
+    monkeypatch.setattr(drafter, "estimated_accept", lambda pair, full=None: drafter.COPY_ACCEPT)  # as the copy's
     monkeypatch.setattr(Adaptive, "acceptance", lambda self: (200.0, 0.3))
     dec = SpecDecoder(pair, method="ragged", batch_size=3, k="auto")
     prompts = random_prompts(10, 3, 4, 30)
@@ -520,7 +572,7 @@ def test_under_tensor_parallelism_a_users_draft_runs_as_given():
     from batchspec.models import pair as pair_module
 
     pair = pair_module.tiny_pair()
-    pair_module._add_copy(pair, "cpu", 2)
+    pair_module._add_candidates(pair, "cpu", 2)
     assert pair.copy is None and not pair.draft_candidate and not pair.drafter
-    pair_module._add_copy(pair, "cpu", 1)
+    pair_module._add_candidates(pair, "cpu", 1)
     assert pair.copy is not None and pair.draft_candidate

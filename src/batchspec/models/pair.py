@@ -63,6 +63,7 @@ class ModelPair:
     draft_quant: str | None = None  # the quantization asked for the draft model (int8, int4), if any
     draft_copies_target: bool = False  # the draft is the target's own copy (--draft self): the same KV layout
     copy: tuple | None = None  # (model, draft_vocab_ids): the target's own copy, a candidate beside a user's draft
+    draft_int4: tuple | None = None  # (model, draft_vocab_ids): the user's draft in int4, a candidate beside it
     head: torch.nn.Module | None = None  # an EAGLE-style draft head (eagle.py), or None
     startup: dict = field(default_factory=dict)  # {"load_s", "weights"}: how the load went
     _grammars: grammar.Compiler | None = field(default=None, repr=False)  # built on the first grammar
@@ -96,13 +97,20 @@ class ModelPair:
             }
             | ({"drafter": self.drafter} if self.drafter else {})
             | ({"copy": info(self.copy[0])} if self.copy else {})
+            | ({"draft_int4": info(self.draft_int4[0])} if self.draft_int4 else {})
         )
 
     def with_copy(self) -> ModelPair:
         """This pair with its candidate copy of the target (`copy`) as the draft model, as
         `--draft self` makes it; the target, tokenizer and everything else shared."""
         model, ids = self.copy
-        return replace(self, draft=model, draft_vocab_ids=ids, draft_copies_target=True, copy=None)
+        return replace(self, draft=model, draft_vocab_ids=ids, draft_copies_target=True, copy=None, draft_int4=None)
+
+    def with_draft_int4(self) -> ModelPair:
+        """This pair with its candidate int4 copy of the user's draft (`draft_int4`) as the draft
+        model, as `--draft-quant int4` makes it (its own cache, fed its prompts)."""
+        model, ids = self.draft_int4
+        return replace(self, draft=model, draft_vocab_ids=ids, copy=None, draft_int4=None)
 
     def encode(self, prompt: str | list[int], chat_template: bool = True) -> list[int]:
         """Token ids for one prompt: token-id lists pass through; text gets the chat template when
@@ -274,12 +282,12 @@ def _load_pair(
     if draft != SELF and draft_quant not in (None, "none"):
         quant.quantize(result.draft, draft_quant)
     if draft not in (None, SELF) and pair is None and draft_quant in (None, "none"):
-        _add_copy(result, device, tp_size)
+        _add_candidates(result, device, tp_size)
     if why is None:
         lean.install(result.target)  # before tuning: its fused products are tuned too
     # On a CPU: the faster BLAS formulation per row count. Not a sharded target: its linear layers
     # carry transformers' tensor-parallel hooks.
-    for model in (result.target if tp_size == 1 else None, result.draft, result.head, result.copy and result.copy[0]):
+    for model in (result.target if tp_size == 1 else None, result.draft, result.head, *_candidates(result)):
         if model is not None:
             tune_linears(model)
     if why is None:
@@ -312,7 +320,7 @@ def _compile(pair: ModelPair, autotune: bool = False) -> float:
             flush=True,
         )
     seconds = compiled.warm(pair.target)
-    for model in (pair.draft, pair.copy and pair.copy[0]):  # a draft of lean layers: the copy's, a user's
+    for model in (pair.draft, *_candidates(pair)):  # a draft of lean layers: a user's, the copies'
         if _lean(model):
             compiled.install(model)
             seconds += compiled.warm(model)
@@ -340,25 +348,40 @@ def auto_refusal(target: torch.nn.Module, device: str, tp_size: int) -> str | No
     """Why `--draft auto` runs no draft model beside `target` (then lookup alone), or None: build
     the target's own int4 copy as a candidate (whether it pays is measured: policy/drafter.py). Its
     int4 products are CPU kernels; on a GPU an unquantized copy reads as many bytes as the target.
-    Its bytes (about 0.63 a weight, the LM head one) must be at most AUTO_MEMORY_SHARE of the memory
-    available."""
-    import psutil
-
+    Its bytes (`int4_bytes`) must be at most AUTO_MEMORY_SHARE of the memory available."""
     prefix = "auto: lookup alone"
     if torch.device(device).type != "cpu":
         return f"{prefix} (on {device} a copy of the target would read as many bytes as the target)"
     if tp_size > 1:
         return f"{prefix} (--tp: a self-draft would copy one rank's shard)"
-    head = target.get_output_embeddings()
-    linears = [m for m in target.modules() if isinstance(m, torch.nn.Linear) and m is not head]
-    need = 0.63 * sum(m.weight.numel() for m in linears) + (head.weight.numel() if head is not None else 0)
-    available = psutil.virtual_memory().available
-    if need > AUTO_MEMORY_SHARE * available:
-        return (
-            f"{prefix} (the self-draft needs ~{need / 2**20:.0f} MiB, more than "
-            f"{AUTO_MEMORY_SHARE:.0%} of the {available / 2**20:.0f} MiB available)"
-        )
+    need, budget = int4_bytes(target), _memory_budget()
+    if need > budget.share:
+        return f"{prefix} (the self-draft needs ~{need / 2**20:.0f} MiB, more than {budget})"
     return None
+
+
+def int4_bytes(model: torch.nn.Module) -> float:
+    """Bytes of `model`'s int4 copy (quant.self_draft), estimated: about 0.63 a weight of its linear
+    layers (groups of 32 and their scales), one for the LM head's."""
+    head = model.get_output_embeddings()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    return 0.63 * sum(m.weight.numel() for m in linears) + (head.weight.numel() if head is not None else 0)
+
+
+@dataclass(frozen=True)
+class _Budget:
+    available: int  # bytes of memory available now
+    share: float  # what the candidates built at load may take: AUTO_MEMORY_SHARE of it
+
+    def __str__(self) -> str:
+        return f"{AUTO_MEMORY_SHARE:.0%} of the {self.available / 2**20:.0f} MiB available"
+
+
+def _memory_budget() -> _Budget:
+    import psutil
+
+    available = psutil.virtual_memory().available
+    return _Budget(available, AUTO_MEMORY_SHARE * available)
 
 
 def default_eager_reason(pair: str | None) -> str | None:
@@ -382,32 +405,71 @@ def _use_self_draft(
     pair: ModelPair, device: str, draft_dtype: str | None, draft_quant: str | None, draft_vocab: int | str | None
 ) -> None:
     """Make the target's quantized copy (`_self_copy`) `pair`'s draft model."""
-    pair.draft, pair.draft_vocab_ids, kind = _self_copy(pair, device, draft_dtype, draft_quant, draft_vocab)
+    pair.draft, pair.draft_vocab_ids, kind = _self_copy(
+        pair.target, pair.name, device, draft_dtype, draft_quant, draft_vocab
+    )
     pair.default_proposer = "draft"
     pair.draft_copies_target = True
     pair.name = f"{pair.name} + self ({kind})"
 
 
-def _add_copy(pair: ModelPair, device: str, tp_size: int) -> None:
-    """A user's own draft model (`--draft D`, no --draft-quant): it runs where it pays, beside two
-    more candidates, lookup alone and, where `auto_refusal` finds nothing against it, the target's
-    own int4 copy (`pair.copy`); policy/drafter.py measures them and chooses. Not under `--tp`:
-    each rank would time its own candidates, and every rank must run the same proposer."""
+def _add_candidates(pair: ModelPair, device: str, tp_size: int) -> None:
+    """A user's own draft model (`--draft D`, no --draft-quant): it runs where it pays, beside more
+    candidates: lookup alone; where `auto_refusal` finds nothing against it, the target's own int4
+    copy (`pair.copy`); and where memory allows after that, D's own int4 copy (`pair.draft_int4`,
+    `_draft_int4_refusal`). policy/drafter.py measures them and chooses. Not under `--tp`: each
+    rank would time its own candidates, and every rank must run the same proposer."""
     if tp_size > 1:
         return
     why = auto_refusal(pair.target, device, tp_size)
+    spent = 0.0
     if why is None:
-        model, ids, _ = _self_copy(pair, device, None, None, None)
-        pair.copy = (model, ids)
-    beside = "the target's own int4 copy" if why is None else why.removeprefix("auto: lookup alone ")
-    pair.drafter = f"auto: your draft model, lookup or {beside}, chosen from measured costs"
+        model, ids, _ = _self_copy(pair.target, pair.name, device, None, None, None)
+        pair.copy, spent = (model, ids), int4_bytes(pair.target)
+    beside = ["the target's own int4 copy" if why is None else why.removeprefix("auto: lookup alone ")]
+    why_not = _draft_int4_refusal(pair, device, spent)
+    if why_not is None:
+        model, ids, _ = _self_copy(pair.draft, pair.name, device, None, None, None)
+        pair.draft_int4 = (model, ids)
+        beside.insert(0, "your draft in int4")
+    else:
+        beside.append(f"not your draft in int4 ({why_not})")
+    pair.drafter = f"auto: your draft model, lookup, {', '.join(beside)}, chosen from measured costs"
     pair.draft_candidate = True
 
 
+def _draft_int4_refusal(pair: ModelPair, device: str, spent: float) -> str | None:
+    """Why the user's draft gets no int4 copy as a candidate (None: it does): not on a CPU (the int4
+    kernels are CPU ones), a reduced head (--draft-vocab), the target's own weights (the target's
+    copy is that model), or too little memory beside the `spent` bytes of the target's copy."""
+    if torch.device(device).type != "cpu":
+        return f"int4 products are CPU kernels, not {device}'s"
+    if pair.draft_vocab_ids is not None:
+        return "its head is reduced (--draft-vocab)"
+    source = getattr(pair.draft, "batchspec_source", None)
+    if source is not None and source == getattr(pair.target, "batchspec_source", None):
+        return "the same weights as the target: the target's copy is that model"
+    need, budget = int4_bytes(pair.draft), _memory_budget()
+    if spent + need > budget.share:
+        return f"it needs ~{need / 2**20:.0f} MiB, more than is left of {budget}"
+    return None
+
+
+def _candidates(pair: ModelPair) -> tuple:
+    """The candidate draft models built beside a user's draft (the target's int4 copy, theirs), or Nones."""
+    return (pair.copy and pair.copy[0], pair.draft_int4 and pair.draft_int4[0])
+
+
 def _self_copy(
-    pair: ModelPair, device: str, draft_dtype: str | None, draft_quant: str | None, draft_vocab: int | str | None
+    source: torch.nn.Module,
+    name: str,
+    device: str,
+    draft_dtype: str | None,
+    draft_quant: str | None,
+    draft_vocab: int | str | None,
 ) -> tuple[torch.nn.Module, torch.Tensor | vocab.GrowingHead | None, str]:
-    """(the target's quantized copy, its reduced head's ids or None, the quantization) (quant.self_draft):
+    """(the quantized copy of `source` (the target; or a user's draft, as a candidate), its reduced
+    head's ids or None, the quantization) (quant.self_draft):
     int4 on a CPU, unquantized on other devices (PyTorch's weight-only kernels are CPU ones);
     computing in bfloat16 where that is native (oneDNN's check, or a GPU), else float32. Its head
     is a GrowingHead of `draft_vocab` rows (default vocab.SELF_ROWS) made from the target's head,
@@ -417,13 +479,13 @@ def _self_copy(
     if draft_dtype is None:
         draft_dtype = "bfloat16" if not on_cpu or cpu_has_bf16() else "float32"
     quant.check(kind, device)
-    model = quant.self_draft(pair.target, kind, DTYPES[draft_dtype])
-    model.batchspec_source = f"{getattr(pair.target, 'batchspec_source', pair.name)}:self-{kind}-{draft_dtype}"
+    model = quant.self_draft(source, kind, DTYPES[draft_dtype])
+    model.batchspec_source = f"{getattr(source, 'batchspec_source', name)}:self-{kind}-{draft_dtype}"
     ids = None
     rows = vocab.SELF_ROWS if draft_vocab is None else draft_vocab
-    if rows != vocab.FULL and rows < pair.vocab_size:
-        source = pair.target.get_output_embeddings().weight
-        ids = vocab.reduce_head(model, rows, DTYPES[draft_dtype], kind != "none", source)
+    if rows != vocab.FULL and rows < source.config.vocab_size:
+        head = source.get_output_embeddings().weight
+        ids = vocab.reduce_head(model, rows, DTYPES[draft_dtype], kind != "none", head)
     return model, ids, kind
 
 

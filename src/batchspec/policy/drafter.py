@@ -2,26 +2,26 @@
 
 A pair loaded with `--draft auto` brings the target's own int4 copy as a candidate
 (`ModelPair.draft_candidate`); one loaded with `--target T --draft D` (no --draft-quant) brings their
-draft D, and beside it the copy where memory allows (`ModelPair.copy`). Unless `--proposer` names
-one, the decoder and the server ask `choose` which to run: lookup alone, or the model with the best
-expected rate. The costs are those `-k auto` probes anyway (costmodel.probe, kept in the tuning
-cache; with a fixed k they are probed for the choice alone): the target's forward of q tokens a
-row, t_q, and the model's one-token forward, c, at the batch's rows. Each candidate's expected
-rate, as a multiple of plain decoding's:
+draft D, and beside it, where memory allows, the target's int4 copy (`ModelPair.copy`) and D's own
+(`ModelPair.draft_int4`). Unless `--proposer` names one, the decoder and the server ask `choose`
+which to run: lookup alone, or the model with the best expected rate. The costs are those `-k
+auto` probes anyway (costmodel.probe, kept in the tuning cache; with a fixed k they are probed for
+the choice alone): the target's forward of q tokens a row, t_q, and the model's one-token
+forward, c, at the batch's rows. Each candidate's expected rate, as a multiple of plain decoding's:
 
     model:  max over q = 2 .. k_max + 1 of  E(q) t_1 / (t_q + (q - 1) c),   E(q) = 1 + a + ... + a^(q-1)
             (a fixed k: at q = k + 1 alone, the width every step verifies)
     lookup: LOOKUP_GAIN
 
-with a = COPY_ACCEPT for the copy, and for D its greedy agreement with the target, teacher-forced
-on a built-in text, scaled as the copy's was (`estimated_accept`). These are acceptances measured
-before or on other text, not on the user's prompts: what this step measures is the costs, which
+with a = COPY_ACCEPT for the copy, and for D (and D in int4) its greedy agreement with the target,
+teacher-forced on a built-in text, scaled as the copy's was (`estimated_accept`). These are
+acceptances measured before or on other text, not on the user's prompts: what this step measures is the costs, which
 decide the choice on a CPU (an int4 product is fast with bfloat16 units and slow without; a copy
 of a small target, or a sibling a third its size, costs most of a target step). The best runs;
 `-k auto` then decides every step whether to draft at all, so a wrong guess costs at most the k = 0
 floor's exploring steps. After a run with a model, the acceptance its drafts met on the user's
-prompts replaces the guess (`revise`): where its estimate then falls to the next best's (the other
-model beside a user's draft, where that one beats lookup; else lookup's), the decoder's next run
+prompts replaces the guess (`revise`): where its estimate then falls to the next best's (the next
+best model beside a user's draft, where that one beats lookup; else lookup's), the decoder's next run
 uses that. A run in which `-k auto` drafted with it in at most IDLE_SHARE of its row-steps (`idle`)
 switches to lookup: the policy found it not worth drafting with, so no acceptance is learned, and
 lookup costs nothing to keep. (A server keeps its first choice.)
@@ -98,6 +98,7 @@ class Candidate:
 
 COPY = "the target's own copy"
 YOURS = "your draft model"
+YOURS_INT4 = "your draft model in int4"
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ class Choice:
     label: str = COPY
     pair: object | None = None
     gain: float = 1.0  # the expected rate it was chosen at
-    rival: Choice | None = None  # the copy, where it would beat lookup, beside a user's draft chosen
+    rival: Choice | None = None  # the next best model, where it would beat lookup, beside a user's draft chosen
 
 
 def pick(candidates: list[Candidate]) -> tuple[Candidate | None, str]:
@@ -158,7 +159,8 @@ def choose(pair, config: EngineConfig) -> Choice | None:
     """The proposer to run for a pair whose draft is a candidate, measured, where the config names
     none (a Choice of None where it does: it runs, as asked); None for any other pair. With `--draft
     auto` the candidates are the copy (the pair's draft) and lookup; with a user's draft model,
-    theirs, lookup, and the copy where the pair holds one (`pair.copy`)."""
+    theirs, lookup, and the copies the pair holds (`pair.copy`, the target's; `pair.draft_int4`,
+    theirs)."""
     if not pair.draft_candidate or not config.speculative:
         return None
     beside = COPY if pair.draft_copies_target else YOURS
@@ -170,10 +172,14 @@ def choose(pair, config: EngineConfig) -> Choice | None:
     candidates = [Candidate(YOURS, measure(config, pair.target, pair.draft), estimated_accept(pair))]
     if pair.copy is not None:
         candidates.append(Candidate(COPY, measure(config, pair.target, pair.copy[0])))
+    if pair.draft_int4 is not None:
+        view = pair.with_draft_int4()
+        candidates.append(Candidate(YOURS_INT4, measure(config, pair.target, view.draft), estimated_accept(view, pair)))
     best, why = pick(candidates)
     if best is None:
         return Choice("ngram", why, candidates[0].costs, YOURS)
-    rival = next((c for c in candidates if c is not best and c.gain()[0] > LOOKUP_GAIN), None)
+    rivals = sorted((c for c in candidates if c is not best and c.gain()[0] > LOOKUP_GAIN), key=lambda c: -c.gain()[0])
+    rival = rivals[0] if rivals else None
     return replace(_choice(pair, best, why), rival=rival and _choice(pair, rival, why))
 
 
@@ -183,8 +189,8 @@ def pair_to_run(choice: Choice | None, pair):
 
 
 def _choice(pair, candidate: Candidate, why: str) -> Choice:
-    """The Choice that runs `candidate` of `pair`'s (the copy: through the pair's view with it)."""
-    view = pair.with_copy() if candidate.label == COPY else None
+    """The Choice that runs `candidate` of `pair`'s (a copy: through the pair's view with it)."""
+    view = {COPY: pair.with_copy, YOURS_INT4: pair.with_draft_int4}.get(candidate.label, lambda: None)()
     return Choice("draft", why, candidate.costs, candidate.label, view, candidate.gain()[0])
 
 
@@ -210,12 +216,17 @@ DRAFT_ACCEPT = 0.7
 _agreements: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft model -> its estimate
 
 
-def estimated_accept(pair) -> float:
-    """The acceptance a user's draft model is estimated at (`agreement`, scaled; DRAFT_ACCEPT
-    where it cannot be measured), measured once per draft model."""
+def estimated_accept(pair, full=None) -> float:
+    """The acceptance a user's draft model is estimated at (`agreement`, scaled), measured once per
+    draft model. Where it cannot be measured: for an int4 copy of theirs (`full`: the pair with
+    their draft as loaded) their draft's estimate x COPY_AGREEMENT (what int4 kept of the target's
+    agreement), else DRAFT_ACCEPT."""
     if pair.draft not in _agreements:
         agreed = agreement(pair)
-        _agreements[pair.draft] = DRAFT_ACCEPT if agreed is None else min(1.0, agreed * COPY_ACCEPT / COPY_AGREEMENT)
+        if agreed is not None:
+            _agreements[pair.draft] = min(1.0, agreed * COPY_ACCEPT / COPY_AGREEMENT)
+        else:
+            _agreements[pair.draft] = DRAFT_ACCEPT if full is None else estimated_accept(full) * COPY_AGREEMENT
     return _agreements[pair.draft]
 
 
@@ -235,7 +246,7 @@ def agreement(pair) -> float | None:
 def revise(costs: Costs, tested: float, accepted: float, label: str = COPY, rival: Choice | None = None) -> str | None:
     """After a run with a model (`label`): why to switch, where its drafts `tested` (at least
     REVISE_AFTER) were accepted at a rate `accepted` that leaves its estimate at or under the next
-    best's: `rival` (the copy beside a user's draft, at its own estimate) or else lookup alone;
+    best's: `rival` (the next best model beside a user's draft, at its own estimate) or else lookup alone;
     None: keep it. One way: the runs after the switch measure nothing of the model left."""
     if tested < REVISE_AFTER:
         return None
@@ -264,4 +275,4 @@ def idle(chosen_k: dict[int, int], label: str = COPY) -> str | None:
 
 
 def _short(label: str) -> str:
-    return {COPY: "the copy", YOURS: "your draft", "lookup alone": "lookup"}[label]
+    return {COPY: "the copy", YOURS: "your draft", YOURS_INT4: "your draft in int4", "lookup alone": "lookup"}[label]

@@ -32,7 +32,7 @@ class EngineCollector:
         yield _counter("batchspec_draft_tokens_accepted", "Draft tokens accepted", _accepted(stats))
         yield _counter("batchspec_decode_steps", "Decode steps of the whole batch", stats.steps)
         stages = CounterMetricFamily(
-            "batchspec_stage_seconds", "Engine seconds by stage of a step (prefill, draft, verify, ...)", labels=["stage"]
+            "batchspec_stage_seconds", "Engine seconds by stage (prefill, draft, verify, ...)", labels=["stage"]
         )
         for stage, seconds in sorted(dict(stats.stage_s).items()):  # a copy: the engine thread writes it
             stages.add_metric([stage], seconds)
