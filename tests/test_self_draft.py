@@ -13,8 +13,9 @@ from helpers import assert_drafted_exactly, random_prompts, reference_tokens
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchspec import BatchspecError, SamplingParams, SpecDecoder, load_pair
+from batchspec import BatchspecError, SamplingParams, SpecDecoder, load_pair, tiny_pair
 from batchspec.cli import main
+from batchspec.core.config import EngineConfig
 from batchspec.models.linears import TunedLinear
 from batchspec.models.quant import DENSE_ROWS, QuantLinear, quantize
 from batchspec.policy import drafter
@@ -244,6 +245,30 @@ def test_bench_chooses_per_batch_size_and_reports_the_choice(monkeypatch, tmp_pa
     runs = {r["batch_size"]: r for r in report["runs"] if r["method"] == "ragged"}
     assert runs[1]["proposer"] == "draft" and runs[1]["drafter"].startswith("auto: the target's own copy")
     assert runs[3]["proposer"] == "ngram" and runs[3]["drafter"].startswith("auto: lookup alone")
+
+
+def test_costs_from_the_tuning_cache_are_put_at_the_machines_speed_now(monkeypatch):
+    """A model whose probes came from the disk cache (maybe a faster day) has its costs scaled by a
+    forward timed now over the fit's, once per model and rows; probes taken in this process are
+    used as they are. So a candidate probed today is not weighed against a target cached faster."""
+    pair = tiny_pair()
+    config = EngineConfig(batch_size=2, k="auto")
+    monkeypatch.setattr(drafter, "from_disk", lambda *a: False)
+    fresh = drafter.measure(config, pair.target, pair.draft)
+    timed = []
+
+    def slow(model, rows, q, span, repeats=1, warmup=True):  # this machine at half the cached speed
+        timed.append(model)
+        cost = drafter.StepCost(drafter.probe(model, rows, 1 if model is pair.draft else len(fresh.verify)))
+        return 2.0 * cost(rows, 1, span)
+
+    monkeypatch.setattr(drafter, "from_disk", lambda model, *a: model is pair.target)
+    monkeypatch.setattr(drafter, "time_forward", slow)
+    cached = drafter.measure(config, pair.target, pair.draft)
+    assert cached.verify == pytest.approx(tuple(2.0 * t for t in fresh.verify))
+    assert cached.draft == pytest.approx(fresh.draft) and timed == [pair.target]
+    drafter.measure(config, pair.target, pair.draft)
+    assert timed == [pair.target]  # once per model and rows
 
 
 def test_the_copys_measured_acceptance_revises_the_choice():
