@@ -73,7 +73,7 @@ def record(decoder: SpecDecoder, batch_size: int) -> list[dict]:
     policy, steps = decoder._speculation(), []
     observe = policy.observe
 
-    def observed(seqs, proposal, width, num_accepted, prop_s, step_s, span):
+    def observed(seqs, proposal, width, num_accepted, prop_s, step_s, span, carried=False):
         rows = len(num_accepted)
         steps.append(
             {
@@ -85,7 +85,7 @@ def record(decoder: SpecDecoder, batch_size: int) -> list[dict]:
                 "predicted_s": policy.step_cost(rows, width + 1, span),
             }
         )
-        observe(seqs, proposal, width, num_accepted, prop_s, step_s, span)
+        observe(seqs, proposal, width, num_accepted, prop_s, step_s, span, carried)
 
     policy.observe = observed
     return steps

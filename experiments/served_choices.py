@@ -48,10 +48,10 @@ def record(out: str) -> None:
         )
         return width
 
-    def recording_observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span):
+    def recording_observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span, carried=False):
         if proposal is not None and steps and "accepted" not in steps[-1]:
             steps[-1] |= {"accepted": sum(num_accepted), "timed_ms": None if step_s is None else 1e3 * step_s}
-        return observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span)
+        return observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span, carried)
 
     speculation.Adaptive.choose, speculation.Adaptive.observe = recording_choose, recording_observe
     atexit.register(lambda: open(out, "w").write(json.dumps({"steps": steps}) + "\n"))

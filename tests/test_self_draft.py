@@ -18,7 +18,7 @@ from batchspec.cli import main
 from batchspec.core.config import EngineConfig
 from batchspec.models.linears import TunedLinear
 from batchspec.models.quant import DENSE_ROWS, QuantLinear, quantize
-from batchspec.policy import drafter
+from batchspec.policy import costmodel, drafter
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +253,7 @@ def test_costs_from_the_tuning_cache_are_put_at_the_machines_speed_now(monkeypat
     used as they are. So a candidate probed today is not weighed against a target cached faster."""
     pair = tiny_pair()
     config = EngineConfig(batch_size=2, k="auto")
-    monkeypatch.setattr(drafter, "from_disk", lambda *a: False)
+    monkeypatch.setattr(costmodel, "from_disk", lambda *a: False)
     fresh = drafter.measure(config, pair.target, pair.draft)
     timed = []
 
@@ -262,8 +262,8 @@ def test_costs_from_the_tuning_cache_are_put_at_the_machines_speed_now(monkeypat
         cost = drafter.StepCost(drafter.probe(model, rows, 1 if model is pair.draft else len(fresh.verify)))
         return 2.0 * cost(rows, 1, span)
 
-    monkeypatch.setattr(drafter, "from_disk", lambda model, *a: model is pair.target)
-    monkeypatch.setattr(drafter, "time_forward", slow)
+    monkeypatch.setattr(costmodel, "from_disk", lambda model, *a: model is pair.target)
+    monkeypatch.setattr(costmodel, "time_forward", slow)
     cached = drafter.measure(config, pair.target, pair.draft)
     assert cached.verify == pytest.approx(tuple(2.0 * t for t in fresh.verify))
     assert cached.draft == pytest.approx(fresh.draft) and timed == [pair.target]

@@ -182,6 +182,44 @@ def test_plain_steps_when_verification_cannot_pay(tiny64):
     assert [o.token_ids for o in outs] == reference_tokens(tiny64, prompts, 16)
 
 
+def test_realised_rates_say_where_drafting_loses_by_bucket_of_rows():
+    """Each step's tokens per second over a plain step's predicted rate, averaged per arm and bucket
+    of rows: drafting loses where the steps that proposed realised less, once both arms are timed
+    enough; other buckets are judged apart."""
+    realised = speculation.Realised()
+    for _ in range(speculation.REALISED_MIN[0]):  # plain steps of 12 rows at their predicted 0.1 s
+        realised.observe(12, False, 12, 0.1, 0.1)
+    for i in range(speculation.REALISED_MIN[1]):  # proposing: 1.44 tokens a row in 0.19 s (0.76x)
+        assert not realised.loses(12)  # not timed enough yet
+        realised.observe(15 - i % 3, True, round(1.44 * (15 - i % 3)), 0.19, 0.1)
+    assert realised.loses(12) and realised.loses(8) and not realised.loses(16) and not realised.loses(7)
+    for _ in range(20):  # drafting got better: its average passes the plain steps'
+        realised.observe(12, True, 24, 0.12, 0.1)
+    assert not realised.loses(12)
+    assert set(realised.describe()["rows 8-15"]) == {"plain", "proposed"}
+
+
+def test_plain_steps_where_the_clock_says_drafting_loses(tiny64):
+    """The cost model says verifying pays, but the steps that proposed realised less than plain
+    ones at these rows: the steps are plain but for an exploring draft every EXPLORE_EVERY steps;
+    exact against the reference."""
+    spy = _Spy(tiny64.vocab_size)
+    policy = _adaptive(tiny64, spy, _costs(per_token=1e-4))  # verifying looks almost free
+    policy.realised.arms = {(1, False): (1.0, 5), (1, True): (0.5, 20)}
+    policy.realised.observe = lambda *args: None  # keep the verdict: the tiny model's clock would not
+    dec = SpecDecoder(tiny64, method="ragged", batch_size=1, k="auto", proposer="ngram")
+    dec.proposer, dec.speculation = spy, policy
+    prompts = [[5, 6, 7] * 10]  # repetitive: lookup finds matches
+    params = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    outs = dec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == reference_tokens(tiny64, prompts, 100)
+    steps = sum(dec.stats.chosen_k.values())
+    assert 1 <= spy.calls <= steps // (speculation.EXPLORE_EVERY + 1) + 1
+    policy.realised.arms = {}  # nothing measured: the cost model decides, and drafting pays
+    dec.generate(prompts, params)
+    assert spy.calls > steps // 2
+
+
 def test_explores_when_estimates_keep_it_from_verifying(tiny64):
     """Verification never pays by the costs it knows: still, after EXPLORE_EVERY steps without a
     verified draft, one step verifies one draft (and no more often)."""
@@ -202,10 +240,12 @@ def test_explores_when_estimates_keep_it_from_verifying(tiny64):
 
 def test_explores_a_plain_step_when_it_always_verifies(tiny_same):
     """Verification costs nothing by the costs it knows and every draft is right: still, after
-    EXPLORE_EVERY steps that all verified, one step is plain (no proposer call; no more often), so
-    the plain step's cost is measured at the batch's shape now."""
+    EXPLORE_EVERY steps that all verified (REALISED_EXPLORE for the first REALISED_MIN plain steps
+    of a bucket of rows), one step is plain (no proposer call; no more often), so the plain step's
+    cost is measured at the batch's shape now."""
     dec = SpecDecoder(tiny_same, method="ragged", batch_size=1, k="auto", proposer="draft")
     dec.speculation = _adaptive(tiny_same, dec.proposer, _costs(per_token=1e-9, fixed=0.01))
+    dec.speculation.realised.loses = lambda rows: False  # its draft is as deep as the target: the clock may say so
     calls, propose = [], dec.proposer.propose
     dec.proposer.propose = lambda *args: calls.append(1) or propose(*args)
     prompts = random_prompts(5, 1, 5, 20)
@@ -216,8 +256,9 @@ def test_explores_a_plain_step_when_it_always_verifies(tiny_same):
     steps = sum(dec.stats.chosen_k.values())
     plain = steps - len(calls)  # steps the policy planned plain
     assert steps > 2 * (speculation.EXPLORE_EVERY + 1)
-    assert 2 <= plain <= steps // (speculation.EXPLORE_EVERY + 1) + 1
-    assert dec.stats.chosen_k[0] == plain
+    first = speculation.REALISED_MIN[0]
+    assert first + 1 <= plain <= first + steps // (speculation.EXPLORE_EVERY + 1) + 1
+    assert dec.stats.chosen_k[0] == plain and dec.speculation.realised.count(1, False) == plain
 
 
 @pytest.mark.parametrize("draft_ms", [12.0, 0.1])

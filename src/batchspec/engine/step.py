@@ -183,7 +183,7 @@ def decode_step(ctx: Context, batch: Layout, rider: Rider | None = None) -> list
     with stats.stage("realign"):
         finished = batch.realign()
     step_s = _step_seconds(timed(ctx.device) - step_start, rider)
-    policy.observe(seqs, learned, verified.width, accepted, step_start - started, step_s, span)
+    policy.observe(seqs, learned, verified.width, accepted, step_start - started, step_s, span, carried(rider))
     _after(ctx, batch, finished)
     return finished
 

@@ -126,6 +126,10 @@ class StepCost:
     def __call__(self, rows: int, q: int, span: int) -> float:
         return self._width(q)(rows, span) * self.load * self.scale.get(q, 1.0)  # fits are >= 0
 
+    def fitted(self, rows: int, q: int, span: int) -> float:
+        """The probes' fit alone at width q (no load or scale): a yardstick that does not move."""
+        return self._width(q)(rows, span)
+
     def observe(self, rows: int, q: int, span: int, seconds: float) -> None:
         width = self._width(q)
         if not width.probes:  # nothing to scale: learn the cost itself
@@ -193,6 +197,27 @@ def sync(device) -> None:
 
 
 _PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+#: Forwards timed (the median counts) to put a model's cached costs at this machine's speed now.
+NOW_REPEATS = 3
+_NOW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(rows, span): factor}
+
+
+def now(model, rows: int, columns: int, cost: StepCost, span: int) -> float:
+    """The factor that puts `model`'s probe fit (`cost`, probed at `rows` rows and `columns` widths)
+    at this machine's speed now: 1 where the probes were taken in this process; where they came
+    from the tuning cache (the fastest ever timed there, maybe on a quieter day: this VM's speed
+    drifts by up to 2x between days), a one-token forward of `rows` rows over `span` slots timed
+    now over the fit's, within 1 / LOAD_LIMIT .. LOAD_LIMIT. Once per model, rows and span in a
+    process; tensor-parallel ranks time it together and take rank 0's."""
+    if not tp.agree(from_disk(model, rows, columns)):
+        return 1.0
+    known = _NOW.setdefault(model, {})
+    if (rows, span) not in known:
+        seconds = time_forward(model, rows, 1, span, repeats=NOW_REPEATS)
+        known[rows, span] = tp.agree(_bounded(seconds / max(cost(rows, 1, span), 1e-9), LOAD_LIMIT))
+    return known[rows, span]
 
 
 def probe(

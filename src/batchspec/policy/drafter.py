@@ -36,7 +36,7 @@ import torch
 
 from ..core import tree
 from ..core.config import EngineConfig
-from .costmodel import StepCost, from_disk, prepare_linears, probe, time_forward
+from .costmodel import StepCost, now, prepare_linears, probe
 
 #: Conditional acceptance of the target's own int4 copy's drafts (in groups of 32 it keeps the int8
 #: copy's 95.8% agreement, teacher-forced on Spec-Bench; about 5 tokens a step at one row), taken
@@ -149,33 +149,12 @@ def measure(config: EngineConfig, target, draft) -> Costs:
     columns = 1 + tree.columns(config.branches, config.k_max)
     prepare_linears(config, target, draft)
     verify, drafting = StepCost(probe(target, rows, columns)), StepCost(probe(draft, rows, 1))
-    verify_now, draft_now = now(target, rows, columns, verify), now(draft, rows, 1, drafting)
+    verify_now, draft_now = now(target, rows, columns, verify, SPAN), now(draft, rows, 1, drafting, SPAN)
     return Costs(
         tuple(verify(rows, q, SPAN) * verify_now for q in range(1, columns + 1)),
         drafting(rows, 1, SPAN) * draft_now,
         None if config.k == "auto" else config.k + 1,
     )
-
-
-#: Forwards timed (the median counts) to put a model's cached costs at this machine's speed now.
-NOW_REPEATS = 3
-_now: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {rows: factor}
-
-
-def now(model, rows: int, columns: int, cost: StepCost) -> float:
-    """The factor that puts `model`'s probe fit (`cost`) at this machine's speed now: 1 where the
-    probes were taken in this process; where they came from the tuning cache (the fastest ever
-    timed there, maybe on a quieter day: this VM's speed drifts by up to 2x between days), a
-    one-token forward of `rows` rows timed now over the fit's. Without it a candidate probed today
-    was weighed against a target step cached on a faster day (a user's draft, the target itself,
-    priced at 1.45-2.1 of a plain step). Once per model and rows in a process."""
-    if not from_disk(model, rows, columns):
-        return 1.0
-    known = _now.setdefault(model, {})
-    if rows not in known:
-        seconds = time_forward(model, rows, 1, SPAN, repeats=NOW_REPEATS)
-        known[rows] = seconds / max(cost(rows, 1, SPAN), 1e-9)
-    return known[rows]
 
 
 def choose(pair, config: EngineConfig) -> Choice | None:

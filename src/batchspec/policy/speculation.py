@@ -25,6 +25,12 @@ Estimates only change where steps test them, so after EXPLORE_EVERY steps withou
 the next step that can propose verifies at least one (at most one 2-token verify per 32 steps),
 and after EXPLORE_EVERY steps that all verified, the next is plain (a plain step's cost, which the
 choice weighs every step, is then measured at the batch's shape now, not only probed at start).
+Costs probed on another day (the tuning cache) start at today's speed: the load factor begins at
+a forward timed at start over its fit (costmodel.now). And the clock has the last word: per bucket
+of rows, the steps that proposed and the plain ones are each averaged by what they realised over
+the rate of a plain step of their shape by the probes (`Realised`); where proposing realised less,
+the steps there are plain (a draft still explored every EXPLORE_EVERY steps, which keeps that
+average current; plain steps are explored every REALISED_EXPLORE steps until a bucket has a few).
 
 The k = 0 arm has no tax: before proposing, if no width q > 1 can beat a plain step (for a cheap
 proposer even if every row's drafts were of its best bin; for a draft model at the acceptance seen
@@ -51,8 +57,8 @@ import torch
 from ..core import diskcache, tree
 from ..core.config import AUTO_K_MAX, EngineConfig
 from ..distributed import tp
-from .costmodel import StepCost, from_disk, prepare_linears, probe, sync
-from .drafter import COPY_ACCEPT
+from .costmodel import StepCost, from_disk, now, prepare_linears, probe, sync
+from .drafter import COPY_ACCEPT, SPAN
 
 #: Forgetting of the acceptance counts per observation of a cell (memory of about 1 / TABLE_RATE).
 TABLE_RATE = 0.03
@@ -68,6 +74,14 @@ ROW_RATE = 0.3
 #: corrected by steps that test them. Costs at most one 2-token verify per this many steps. After
 #: as many steps that all verified, the next is plain, for the same reason.
 EXPLORE_EVERY = 32
+#: The measured-rate check (`Realised`): weight of one step in its arm's average, and the plain
+#: steps and the steps that proposed an arm must have timed in a bucket of rows before drafting
+#: there can be found to lose.
+REALISED_RATE, REALISED_MIN = 0.1, (3, 8)
+#: Until a bucket of rows has REALISED_MIN plain steps timed, a plain step is explored there after
+#: this many steps that all verified (else EXPLORE_EVERY): a server's steps spread over every row
+#: count, and one plain step in 32 left buckets of a hundred steps with one plain step timed.
+REALISED_EXPLORE = 8
 #: A row's remaining tokens that feeding the draft its prompt (a warm) may be paid back over, at
 #: most (rows often stop at EOS well before their budget).
 WARM_HORIZON = 128
@@ -108,9 +122,10 @@ class Speculation(Protocol):
         """How many of the proposal's drafts to verify (the width less one)."""
         ...
 
-    def observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span) -> None:
+    def observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span, carried=False) -> None:
         """The step's outcome: accepted drafts per row [B], seconds spent proposing and stepping
-        (`step_s` None: not timed, its forward carried a prompt's chunk of no estimated share)."""
+        (`step_s` None: not timed, its forward carried a prompt's chunk of no estimated share;
+        `carried`: it carried one, whose estimated share `step_s` is less)."""
         ...
 
     def describe(self) -> dict | None:
@@ -149,11 +164,52 @@ class Fixed(Speculation):
         n = proposal.num_proposed
         return int(proposal.drafts.shape[1] if n is None else n.max())
 
-    def observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span) -> None:
+    def observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span, carried=False) -> None:
         pass
 
     def describe(self) -> None:
         return None
+
+
+class Realised:
+    """What steps realised, by bucket of rows (1, 2-3, 4-7, 8-15, ...) and arm (the steps that
+    proposed, plain steps): the average of each step's tokens per second over the rate of a plain
+    step of its shape by the probes' fit (no learned factor: a yardstick that does not move while
+    the load does), so the rows and spans inside a bucket, and the fit's error, cancel between the
+    two arms. Where the steps that proposed realised less than the
+    plain ones (both timed at least REALISED_MIN times), drafting `loses` there: the cost model
+    said it paid, the clock says it did not (measured in a server at 16 rows: the plain step
+    predicted at 1.5x its cost, one draft a row verified in nearly every step, 16% under plain
+    steps)."""
+
+    def __init__(self):
+        self.arms: dict[tuple[int, bool], tuple[float, int]] = {}  # (bucket, proposed) -> (average, steps)
+
+    def observe(self, rows: int, proposed: bool, tokens: int, seconds: float, plain_s: float) -> None:
+        key = (rows.bit_length(), proposed)
+        gain = tokens * plain_s / (rows * max(seconds, 1e-9))
+        mean, n = self.arms.get(key, (0.0, 0))
+        self.arms[key] = (mean + max(REALISED_RATE, 1.0 / (n + 1)) * (gain - mean), n + 1)
+
+    def count(self, rows: int, proposed: bool) -> int:
+        """Steps of the arm timed in the bucket of `rows` rows."""
+        return self.arms.get((rows.bit_length(), proposed), (0.0, 0))[1]
+
+    def loses(self, rows: int) -> bool:
+        """Whether the steps that proposed realised less than plain ones at `rows` rows."""
+        plain, drafted = self.arms.get((rows.bit_length(), False)), self.arms.get((rows.bit_length(), True))
+        if plain is None or drafted is None or plain[1] < REALISED_MIN[0] or drafted[1] < REALISED_MIN[1]:
+            return False
+        return drafted[0] < plain[0]
+
+    def describe(self) -> dict:
+        """{"rows a-b": {"proposed": [average, steps], "plain": [...]}}, JSON-ready."""
+        out: dict = {}
+        for (bucket, proposed), (mean, n) in sorted(self.arms.items()):
+            low = 1 << (bucket - 1)
+            name = f"rows {low}-{2 * low - 1}" if low > 1 else "rows 1"
+            out.setdefault(name, {})["proposed" if proposed else "plain"] = [round(mean, 3), n]
+        return out
 
 
 class Adaptive(Speculation):
@@ -165,9 +221,13 @@ class Adaptive(Speculation):
         self.k_max, self.proposer = k_max, proposer
         self.branches = proposer.branches  # a draft tree verifies 1 + its nodes to that depth
         self.target, self.capacity = target, capacity
-        self.step_cost = StepCost(probe(target, capacity, self._columns(k_max)))
+        columns = self._columns(k_max)
+        self.step_cost = StepCost(probe(target, capacity, columns))
+        self.step_cost.load = now(target, capacity, columns, self.step_cost, SPAN)  # cached fits: at today's speed
         cheap = proposer.model is None
         self.prop_cost = StepCost([] if cheap else probe(proposer.model, capacity, 1))
+        if not cheap:
+            self.prop_cost.load = now(proposer.model, capacity, 1, self.prop_cost, SPAN)
         self.timed, self.reprobed = 0, False  # steps timed; whether a drifted fit was probed again
         self.stale: list[str] = []  # fits found drifted, to probe again ("target", "proposer")
         self.defer = False  # True (a server): probe them in `idle`, not in the step that found them
@@ -181,13 +241,16 @@ class Adaptive(Speculation):
         self.unplain = 0  # steps since the last plain one
         self.ratio: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> r_b
         self.warm_rate: float | None = None  # seconds per token of feeding the draft rows it lacks
+        self.realised = Realised()  # what steps that proposed and plain steps realised, measured
 
     # --- before proposing -----------------------------------------------------------------
     def plan(self, batch) -> int:
         """Drafts to ask the proposer for: k_max, or 0 when no width can beat a plain step."""
-        if self.unplain >= EXPLORE_EVERY:
-            return 0  # explore: time a plain step
         rows, span = len(batch.seqs), batch.attended_span()
+        if self.unplain >= (EXPLORE_EVERY if self.realised.count(rows, False) >= REALISED_MIN[0] else REALISED_EXPLORE):
+            return 0  # explore: time a plain step (sooner while these rows' plain steps are few)
+        if self.unverified < EXPLORE_EVERY and self.realised.loses(rows):
+            return 0  # measured: steps that proposed realised less than plain ones at these rows
         r = self._ratios(batch.seqs)
         # A cheap proposer (lookup) is asked unless even its best bin could not pay; a model only
         # when the acceptance seen so far, whatever the bin, can.
@@ -280,9 +343,12 @@ class Adaptive(Speculation):
         self.predicted = float(p[:, :width].sum())  # accepted drafts expected (before calibration)
         return width
 
-    def observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span) -> None:
+    def observe(self, seqs, proposal, width, num_accepted, prop_s, step_s, span, carried=False) -> None:
         """Learn from a finished step: acceptance by bin and position, each row's ratio, costs."""
         rows = len(num_accepted)
+        if step_s is not None and not carried:  # a rider's share is an estimate: the clock alone here
+            plain_s = self.step_cost.fitted(rows, self._columns(0), span)  # a plain step of this shape, by the probes
+            self.realised.observe(rows, proposal is not None, rows + sum(num_accepted), prop_s + step_s, plain_s)
         if step_s is not None:
             self.step_cost.observe(rows, self._columns(width), span, step_s)
             self._check_drift()
@@ -337,6 +403,7 @@ class Adaptive(Speculation):
                 str(b): [round(float(a), 3) for a in row] for b, row in enumerate(self.table) if self.seen[b].sum() > 0
             },
             "acceptance_any_bin": [round(float(a), 3) for a in self.any_bin],
+            "realised": self.realised.describe(),
         }
 
     def _check_drift(self) -> None:
