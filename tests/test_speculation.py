@@ -220,6 +220,25 @@ def test_plain_steps_where_the_clock_says_drafting_loses(tiny64):
     assert spy.calls > steps // 2
 
 
+def test_drafts_where_the_clock_says_proposing_wins(tiny64):
+    """The cost model says verifying never pays, but the steps that proposed realised more than
+    plain ones at these rows: most steps propose, and those with drafts verify them (the model
+    alone verifies only to explore, one step in EXPLORE_EVERY); exact against the reference."""
+    spy = _Spy(tiny64.vocab_size)
+    policy = _adaptive(tiny64, spy, _costs(per_token=1.0, fixed=0.0))  # every extra token: a whole step
+    policy.realised.arms = {(1, False): (0.5, 5), (1, True): (1.0, 20)}
+    policy.realised.observe = lambda *args: None
+    dec = SpecDecoder(tiny64, method="ragged", batch_size=1, k="auto", proposer="ngram")
+    dec.proposer, dec.speculation = spy, policy
+    prompts = [[5, 6, 7] * 10]
+    params = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    outs = dec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == reference_tokens(tiny64, prompts, 100)
+    steps = sum(dec.stats.chosen_k.values())
+    verified = sum(n for k, n in dec.stats.chosen_k.items() if k > 0)  # lookup finds no match in some steps
+    assert spy.calls > steps // 2 and verified > 3 * (steps // (speculation.EXPLORE_EVERY + 1) + 1)
+
+
 def test_explores_when_estimates_keep_it_from_verifying(tiny64):
     """Verification never pays by the costs it knows: still, after EXPLORE_EVERY steps without a
     verified draft, one step verifies one draft (and no more often)."""

@@ -30,7 +30,8 @@ a forward timed at start over its fit (costmodel.now). And the clock has the las
 of rows, the steps that proposed and the plain ones are each averaged by what they realised over
 the rate of a plain step of their shape by the probes (`Realised`); where proposing realised less,
 the steps there are plain (a draft still explored every EXPLORE_EVERY steps, which keeps that
-average current; plain steps are explored every REALISED_EXPLORE steps until a bucket has a few).
+average current; plain steps are explored every REALISED_EXPLORE steps until a bucket has a few),
+and where it realised more, they propose and verify the width the model rates best.
 
 The k = 0 arm has no tax: before proposing, if no width q > 1 can beat a plain step (for a cheap
 proposer even if every row's drafts were of its best bin; for a draft model at the acceptance seen
@@ -176,11 +177,12 @@ class Realised:
     proposed, plain steps): the average of each step's tokens per second over the rate of a plain
     step of its shape by the probes' fit (no learned factor: a yardstick that does not move while
     the load does), so the rows and spans inside a bucket, and the fit's error, cancel between the
-    two arms. Where the steps that proposed realised less than the
-    plain ones (both timed at least REALISED_MIN times), drafting `loses` there: the cost model
-    said it paid, the clock says it did not (measured in a server at 16 rows: the plain step
-    predicted at 1.5x its cost, one draft a row verified in nearly every step, 16% under plain
-    steps)."""
+    two arms. Both timed at least REALISED_MIN times, drafting `loses` where the steps that
+    proposed realised less than the plain ones, and `wins` where they realised more: the clock
+    overrules the cost model either way (measured in a server at 16 rows: the plain step predicted
+    at 1.5x its cost, one draft a row verified in nearly every step, 16% under plain steps; and
+    offline at one row on a slow day: 92% plain steps while the steps that proposed realised 1.8x
+    the plain ones)."""
 
     def __init__(self):
         self.arms: dict[tuple[int, bool], tuple[float, int]] = {}  # (bucket, proposed) -> (average, steps)
@@ -197,10 +199,20 @@ class Realised:
 
     def loses(self, rows: int) -> bool:
         """Whether the steps that proposed realised less than plain ones at `rows` rows."""
+        both = self._both(rows)
+        return both is not None and both[1] < both[0]
+
+    def wins(self, rows: int) -> bool:
+        """Whether the steps that proposed realised more than plain ones at `rows` rows."""
+        both = self._both(rows)
+        return both is not None and both[1] > both[0]
+
+    def _both(self, rows: int) -> tuple[float, float] | None:
+        """(plain, proposed) averages in the bucket of `rows`, where both are timed enough."""
         plain, drafted = self.arms.get((rows.bit_length(), False)), self.arms.get((rows.bit_length(), True))
         if plain is None or drafted is None or plain[1] < REALISED_MIN[0] or drafted[1] < REALISED_MIN[1]:
-            return False
-        return drafted[0] < plain[0]
+            return None
+        return plain[0], drafted[0]
 
     def describe(self) -> dict:
         """{"rows a-b": {"proposed": [average, steps], "plain": [...]}}, JSON-ready."""
@@ -268,7 +280,7 @@ class Adaptive(Speculation):
         explore = self.unverified >= EXPLORE_EVERY
         if heavy and not self._warm_pays(batch, rates, plain if explore else 0.0):
             return 0  # feeding the draft the rows it lacks would cost more than drafting saves
-        if int(rates.argmax()) == 0 and not explore:
+        if int(rates.argmax()) == 0 and not explore and not self.realised.wins(rows):
             for seq, r_b in zip(batch.seqs, r.tolist()):  # a row that does not speculate drifts back to average
                 self.ratio[seq] = r_b + 0.05 * (1.0 - r_b)
             return 0
@@ -337,9 +349,13 @@ class Adaptive(Speculation):
             a = a * (torch.arange(drafts)[None, :] < proposal.num_proposed.cpu()[:, None])
         spent = time.perf_counter() - started
         p = a.cumprod(dim=1)
-        width = int(self._rates(p, spent, rows, span).argmax())
-        if width == 0 and self.unverified >= EXPLORE_EVERY and bool((a[:, 0] > 0).any()):
-            width = 1  # explore: test the estimates that keep this policy from verifying
+        rates = self._rates(p, spent, rows, span)
+        width = int(rates.argmax())
+        if width == 0 and bool((a[:, 0] > 0).any()):
+            if self.realised.wins(rows):  # measured: steps that proposed realised more than plain ones here
+                width = 1 + int(rates[1:].argmax())
+            elif self.unverified >= EXPLORE_EVERY:
+                width = 1  # explore: test the estimates that keep this policy from verifying
         self.predicted = float(p[:, :width].sum())  # accepted drafts expected (before calibration)
         return width
 
