@@ -93,14 +93,17 @@ def _group(width: int, group: list[dict]) -> dict:
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="record a server's choices here (the batchspec arguments follow)")
+def main_of(doc: str, record, summarise, more_args=None) -> int:
+    """The command line of a script that records a server (`record(path)` patches it) and
+    summarises the record (`summarise(steps, args)`): served_choices.py, served_steps.py."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--json", help="record a server here (the batchspec arguments follow)")
     ap.add_argument("--summary", help="summarise a record")
-    ap.add_argument("--rows", type=int, default=8, help="summarise steps of at least this many rows")
+    if more_args is not None:
+        more_args(ap)
     args, rest = ap.parse_known_args()
     if args.summary:
-        print(json.dumps(summary(json.load(open(args.summary))["steps"], args.rows), indent=1))
+        print(json.dumps(summarise(json.load(open(args.summary))["steps"], args), indent=1))
         return 0
     if not args.json or not rest:
         ap.error("give --summary FILE, or --json FILE and the batchspec arguments (serve ...)")
@@ -108,6 +111,13 @@ def main() -> int:
     from batchspec.cli import main as batchspec
 
     return batchspec(rest)
+
+
+def main() -> int:
+    def rows(ap):
+        ap.add_argument("--rows", type=int, default=8, help="summarise steps of at least this many rows")
+
+    return main_of(__doc__, record, lambda steps, args: summary(steps, args.rows), rows)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Feeds: docs/serving.md, "Where speculation's time goes at 16 clients".
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import json
 import statistics
@@ -81,19 +80,9 @@ def _group(rows: int, width: int, rider: bool, group: list[dict]) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="record a server's steps here (the batchspec arguments follow)")
-    ap.add_argument("--summary", help="summarise a record")
-    args, rest = ap.parse_known_args()
-    if args.summary:
-        print(json.dumps(summary(json.load(open(args.summary))["steps"]), indent=1))
-        return 0
-    if not args.json or not rest:
-        ap.error("give --summary FILE, or --json FILE and the batchspec arguments (serve ...)")
-    record(args.json)
-    from batchspec.cli import main as batchspec
+    from served_choices import main_of  # beside this script
 
-    return batchspec(rest)
+    return main_of(__doc__, record, lambda steps, args: summary(steps))
 
 
 if __name__ == "__main__":
