@@ -180,8 +180,8 @@ def choose(pair, config: EngineConfig) -> Choice | None:
     best, why = pick(candidates)
     if best is None:
         return Choice("ngram", why, candidates[0].costs, YOURS)
-    rivals = sorted((c for c in candidates if c is not best and c.gain()[0] > LOOKUP_GAIN), key=lambda c: -c.gain()[0])
-    rival = rivals[0] if rivals else None
+    paying = (c for c in candidates if c is not best and c.gain()[0] > LOOKUP_GAIN)
+    rival = max(paying, key=lambda c: c.gain()[0], default=None)
     return replace(_choice(pair, best, why), rival=rival and _choice(pair, rival, why))
 
 
