@@ -20,9 +20,11 @@ from transformers import DynamicCache
 from batchspec import SamplingParams, SpecDecoder, load_pair
 from batchspec.cli import main
 from batchspec.core.errors import BatchspecError
+from batchspec.core.stats import startup_text
 from batchspec.engine import admission
 from batchspec.engine.admission import Admission
 from batchspec.models import compiled, lean, precompiled
+from batchspec.models import pair as pair_module
 from batchspec.models.forward import decoder_features
 from batchspec.policy import speculation
 
@@ -335,6 +337,16 @@ def test_max_autotune_tunes_packages_once_per_weights_and_decodes_as_the_referen
     assert sources == ["loaded", "loaded"] and traced.get("unique_graphs", 0) == 0
     want = reference_tokens(pair, prompts, 12)
     assert decode(pair, prompts, 12, method="ragged", batch_size=3, k=3, proposer="draft") == want
+    monkeypatch.delenv(compiled.ENV)  # a default start, the tiny pair compiled as a real one is: the packages, loaded
+    monkeypatch.setattr(pair_module, "default_eager_reason", lambda pair: None)
+    auto = load_pair("tiny", dtype="float32")
+    assert auto.startup["forward"] == "compiled (max-autotune, tuned packages from the cache)"
+    assert "s (max-autotune, tuned packages from the cache)" in startup_text(auto.startup)  # the stats line
+    assert decode(auto, prompts, 12, method="ragged", batch_size=3, k=3, proposer="draft") == want
+    assert [p.source for p in compiled.compiled(auto.target).packages] == ["loaded", "loaded"]
+    monkeypatch.setenv(compiled.ENV, "graph")  # the default graph, packages or not
+    assert load_pair("tiny", dtype="float32").startup["forward"] == "compiled"
+    monkeypatch.setenv(compiled.ENV, "max-autotune")
     broken = tmp_path / "cache" / "packages" / sorted(made)[0] / "graph.pt2"
     broken.write_bytes(broken.read_bytes()[:1000])  # a package cut short: made again, with a warning
     pair, _, _, sources = start()
@@ -343,10 +355,29 @@ def test_max_autotune_tunes_packages_once_per_weights_and_decodes_as_the_referen
     lean.install(other)
     compiled.install(other, autotune=True)
     assert not compiled.compiled(other).packaged() and compiled.compiled(pair.target).packaged()
+    assert compiled.tuned_cached(pair.target) and not compiled.tuned_cached(other)
     with torch.no_grad():
         pair.target.get_decoder().layers[0].qkv.weight.mul_(2)  # the graph holds the weights as they were
     with pytest.raises(BatchspecError, match="changed in place after --max-autotune froze them"):
         decode(pair, prompts[:1], 4, method="ar", batch_size=1)
+
+
+def test_tune_makes_the_tuned_packages_where_a_default_start_would_compile(monkeypatch):
+    """`batchspec tune` compiles --max-autotune's packages (which later default starts load) on a
+    CPU for a target compiled by default; not for the tiny pairs (eager by default), not where
+    $BATCHSPEC_COMPILE chose a mode; --no-compile and --max-autotune are as given (cmd_tune
+    changes only an unset mode)."""
+    from batchspec.cli import build_parser, tunes_kernels
+
+    def tunes(*argv):
+        return tunes_kernels(build_parser().parse_args(["tune", *argv]))
+
+    monkeypatch.delenv(compiled.ENV, raising=False)
+    assert tunes("--target", "model.gguf") and tunes("--pair", "default")
+    assert not tunes("--pair", "tiny")
+    monkeypatch.setenv(compiled.ENV, "graph")
+    assert not tunes("--pair", "default")
+    assert build_parser().parse_args(["tune", "--no-compile"]).compile is False
 
 
 def test_an_unknown_compile_mode_is_refused_by_name():

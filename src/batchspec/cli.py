@@ -23,8 +23,8 @@ from .core.stats import startup_text
 from .decoder import SpecDecoder
 from .distributed import tp
 from .engine.threads import BUSY_CORES, SPIN_MODES, SPIN_ROWS
-from .models import invariant
-from .models.pair import AUTO, DTYPES, MAX_AUTOTUNE, PAIRS, PairSpec, target_config
+from .models import compiled, invariant
+from .models.pair import AUTO, DTYPES, MAX_AUTOTUNE, PAIRS, PairSpec, default_eager_reason, target_config
 from .models.quant import QUANTS
 from .serving import access
 from .serving.config import DEFAULT_MAX_ITL_MS, DEFAULT_MAX_ITL_STEPS, ServeConfig
@@ -94,7 +94,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         action="store_false",
         default=None,
         help="run the target's decoder eager, op by op (default: one compiled graph where the model's layers "
-        "allow it; the built-in tiny pairs run eager)",
+        "allow it, or --max-autotune's packages where they were made for this model before, e.g. by `batchspec "
+        "tune`; the built-in tiny pairs run eager)",
     )
     compiling.add_argument(
         "--max-autotune",
@@ -103,8 +104,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         const=MAX_AUTOTUNE,
         help="compile the target with its weights frozen into the graph and its products in inductor's C++ GEMM "
         "kernels, tuned for this CPU: faster steps, for about 3 minutes of compiling on a first start (later ones "
-        "load the compiled packages from the tuning cache in seconds) and packed copies of the weights "
-        "(docs/benchmarks.md)",
+        "load the compiled packages from the tuning cache in seconds, and so do later default starts) and packed "
+        "copies of the weights (docs/benchmarks.md)",
     )
     g.add_argument(
         "--tp",
@@ -239,7 +240,9 @@ def _tune_parser(sub) -> None:
         help="convert the models and measure this machine once, into the cache (e.g. in a container build)",
         description="Load the pair (a GGUF is converted once) and take the measurements a decoder takes when it "
         "starts (linear-layer formulations, and with -k auto the step-cost probes) for each batch size, so that "
-        "later generate/serve/bench runs with the same options start without measuring.",
+        "later generate/serve/bench runs with the same options start without measuring. On a CPU it also "
+        "compiles the target with --max-autotune (about 3 minutes on 2 cores for the default pair; --no-compile or "
+        "BATCHSPEC_COMPILE=graph skip it): later default starts load those tuned kernels from the cache.",
     )
     _model_options(p)
     g = p.add_argument_group("decoding (as the later runs will use them)")
@@ -651,6 +654,8 @@ def cmd_tune(args) -> int:
     ]
     if diskcache.root() is None:
         raise BatchspecError("the cache is off (--no-tuning-cache or BATCHSPEC_CACHE=off): nothing to fill")
+    if args.compile is None and tunes_kernels(args):
+        args.compile = MAX_AUTOTUNE  # the tuned packages, which later default starts load
     pair = load_models(args)
     runs = []
     for config in configs:
@@ -662,6 +667,15 @@ def cmd_tune(args) -> int:
     if args.json:
         write_json(args.json, {"cache": str(diskcache.root()), "runs": runs})
     return 0
+
+
+def tunes_kernels(args) -> bool:
+    """Whether `batchspec tune` makes --max-autotune's packages: on a CPU, for a target compiled by
+    default, unless $BATCHSPEC_COMPILE chose a mode."""
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device == "cpu" and args.tp == 1 and not compiled.env_setting() and default_eager_reason(args.pair) is None
 
 
 def k_value(text: str) -> int | str:

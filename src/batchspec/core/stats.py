@@ -119,7 +119,8 @@ def startup_text(startup: dict) -> str:
     if "tuning_s" in startup:
         parts.append(f"tuning {startup['tuning_s']:.1f}s ({startup.get('tuning', 'none')})")
     if "compile_s" in startup:
-        parts.append(f"compile {startup['compile_s']:.1f}s")
+        how = startup.get("forward", "compiled").removeprefix("compiled")  # " (max-autotune, ...)" or ""
+        parts.append(f"compile {startup['compile_s']:.1f}s{how}")
     elif "forward" in startup:
         parts.append(f"forward {startup['forward']}")
     if "drafter" in startup:

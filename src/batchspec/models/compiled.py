@@ -55,6 +55,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..cache import kv
+from ..core import diskcache
 from ..core.errors import BatchspecError
 from . import attention, lean, linears, packaged, precompiled
 from .invariant import NAME as INVARIANT  # the batch-invariant mode's attention, which runs eager
@@ -79,6 +80,10 @@ AUTOTUNE = {
     "autotune_num_choices_displayed": 0,
     "max_autotune_report_choices_stats": False,
 }
+#: The tuning cache's kind of record that a model's tuned packages were made (`tuned_cached`).
+TUNED = "tuned"
+#: $BATCHSPEC_COMPILE's value for the default graph even where tuned packages are cached.
+GRAPH = "graph"
 #: Graphs of LeanStack.forward a process may compile (torch's default, 8, is two or three pairs).
 RECOMPILE_LIMIT = 64
 
@@ -199,13 +204,9 @@ class CompiledDecoder:
     ):
         self.decoder, self.eager, self.backend = decoder, eager, backend
         self.freeze, self.autotune = freeze or autotune, autotune
-        self.base, count = len(_PRODUCTS), 0
-        for layer in decoder.layers:
-            for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-                if isinstance(linear, QuantLinear):  # traced into the graph (LeanStack.product): no slot
-                    continue
-                _PRODUCTS[self.base + count], linear.batchspec_slot = weakref.ref(linear), count
-                count += 1
+        self.base = len(_PRODUCTS)
+        for slot, linear in enumerate(_numbered(decoder)):
+            _PRODUCTS[self.base + slot] = weakref.ref(linear)
         self.stack = LeanStack(decoder)
         self.modules = [layer.attn[0] for layer in decoder.layers]
         self.graphs: dict[tuple, object] = {}  # (product form, one token, inference mode) -> its compiled stack
@@ -254,13 +255,9 @@ class CompiledDecoder:
             return None
         return {"freezing": True} | (AUTOTUNE if self.autotune else {})
 
-    @torch.inference_mode()
     def packaged(self) -> bool:
         """Whether both frozen graphs are packages in the tuning cache, which a start loads."""
-        if not self.freeze:
-            return False
-        stack = LeanStack(self.decoder, "plain")
-        return all(packaged.cached(stack, one, self.weights_tag, self.options) for one in (True, False))
+        return self.freeze and _packages_cached(self.decoder, self.weights_tag, self.options)
 
     @functools.cached_property
     def frozen(self) -> tuple[list[torch.Tensor], list[int]]:
@@ -389,6 +386,48 @@ def _frozen(lazy, tag: str):
     return call
 
 
+def _numbered(decoder: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder's linear layers a graph calls (`batchspec::product`), each numbered in its
+    `batchspec_slot` (its place past the decoder's first: the same numbers on every call). A
+    QuantLinear is traced into the graph (LeanStack.product): no slot."""
+    linears_ = [x for layer in decoder.layers for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    linears_ = [x for x in linears_ if not isinstance(x, QuantLinear)]
+    for slot, linear in enumerate(linears_):
+        linear.batchspec_slot = slot
+    return linears_
+
+
+@torch.inference_mode()
+def _packages_cached(decoder: torch.nn.Module, tag: str, options: dict) -> bool:
+    """Whether both of `decoder`'s frozen graphs (one token, and more) under `options`, their
+    weights digested as `tag`, are packages in the tuning cache (their keys hold the slots)."""
+    _numbered(decoder)
+    stack = LeanStack(decoder, "plain")
+    return all(packaged.cached(stack, one, tag, options) for one in (True, False))
+
+
+def _tuned_key(model: torch.nn.Module) -> dict:
+    """The key of `model`'s TUNED record: its identity (a file's hash where it was loaded from one)
+    and the tuned graphs' options."""
+    return {"model": diskcache.model_identity(model), "options": {"freezing": True} | AUTOTUNE}
+
+
+def mark_tuned(model: torch.nn.Module) -> None:
+    """Record that `model`'s tuned packages (--max-autotune) are in the tuning cache."""
+    diskcache.write(TUNED, _tuned_key(model), True)
+
+
+def tuned_cached(model: torch.nn.Module) -> bool:
+    """Whether `model`'s tuned packages (--max-autotune) are in the tuning cache, so a default
+    start can load them in seconds. Only a model with a TUNED record has its weights digested
+    (about 1.3 s a GB): a model never tuned costs a file read."""
+    if diskcache.root() is None or not diskcache.read(TUNED, _tuned_key(model)):
+        return False
+    decoder = model.get_decoder()
+    tag = f"batchspec-frozen-{_digest(list(LeanStack(decoder).parameters()))}"  # as CompiledDecoder.weights_tag
+    return _packages_cached(decoder, tag, {"freezing": True} | AUTOTUNE)
+
+
 def _unchanged(graph, weights: list[torch.Tensor], versions: list[int]):
     """`graph` (one with `weights` frozen into it at `versions`), refusing a call once a weight was
     changed in place since: its constants would be stale."""
@@ -456,7 +495,15 @@ def install(model: torch.nn.Module, backend: str = "inductor", freeze: bool = Fa
 
 def compiled(model: torch.nn.Module) -> CompiledDecoder | None:
     """`model`'s compiled decoder, or None (eager)."""
-    return getattr(model.get_decoder(), "batchspec_compiled", None)
+    get = getattr(model, "get_decoder", None)
+    return None if get is None else getattr(get(), "batchspec_compiled", None)
+
+
+def form(model: torch.nn.Module) -> str:
+    """How `model`'s forward runs, where its timings depend on it: eager, the default graph, frozen
+    graphs, or frozen graphs with tuned kernels (--max-autotune)."""
+    found = compiled(model)
+    return "eager" if found is None else "tuned" if found.autotune else "frozen" if found.freeze else "graph"
 
 
 @torch.inference_mode()

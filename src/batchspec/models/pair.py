@@ -194,8 +194,10 @@ def load_pair(
     quantized. `draft_vocab` N: the draft model's LM head scores at most N tokens, learned as it
     runs (vocab.py); "full": all of them; default: vocab.SELF_ROWS for a self-draft, else all. A
     drafter's numerics change how many drafts are accepted, never the output. `compile`: the
-    target's decoder compiled (compiled.py; default: unless `default_eager_reason`), False: eager, or
-    MAX_AUTOTUNE: compiled with its weights frozen and its products tuned C++ kernels."""
+    target's decoder compiled (compiled.py; default: unless `default_eager_reason`, and in
+    MAX_AUTOTUNE's packages where a start with it made them for these weights before), True: the
+    default graph, False: eager, or MAX_AUTOTUNE: compiled with its weights frozen and its products
+    tuned C++ kernels (made on a first start, minutes; loaded from the tuning cache later)."""
     started, before = time.perf_counter(), diskcache.tally.copy()
     result = _load_pair(pair, target, draft, dtype, device, tp_size, draft_dtype, draft_quant, draft_vocab, compile)
     new = diskcache.tally - before
@@ -208,8 +210,9 @@ def load_pair(
 def _load_pair(
     pair, target, draft, dtype, device, tp_size, draft_dtype=None, draft_quant=None, draft_vocab=None, compile=None
 ) -> ModelPair:
-    if compile is None and compiled.env_setting() == MAX_AUTOTUNE:
-        compile = MAX_AUTOTUNE  # where a flag cannot reach (a library caller, a replica's process)
+    if compile is None and compiled.env_setting() in (MAX_AUTOTUNE, compiled.GRAPH):
+        # where a flag cannot reach (a library caller, a replica's process)
+        compile = MAX_AUTOTUNE if compiled.env_setting() == MAX_AUTOTUNE else True
     if compile not in (None, True, False, MAX_AUTOTUNE):
         raise BatchspecError(f"unknown compile mode {compile!r}; choose True, False or {MAX_AUTOTUNE!r}")
     if dtype not in DTYPES:
@@ -293,8 +296,10 @@ def _load_pair(
     if why is None:
         compiled.cache_dir(diskcache.root())
         precompiled.trust_vector_isas()
-        autotune = compile == MAX_AUTOTUNE
-        forward = f"compiled ({MAX_AUTOTUNE})" if autotune else "compiled"
+        found = compile is None and compiled.tuned_cached(result.target)  # tuned before: load them
+        autotune = compile == MAX_AUTOTUNE or found
+        forward = f"compiled ({MAX_AUTOTUNE}{', tuned packages from the cache' if found else ''})"
+        forward = forward if autotune else "compiled"
         result.startup = {"forward": forward, "compile_s": round(_compile(result, autotune), 3)}
     else:
         if compile:  # asked for and refused: say why, once
@@ -320,6 +325,8 @@ def _compile(pair: ModelPair, autotune: bool = False) -> float:
             flush=True,
         )
     seconds = compiled.warm(pair.target)
+    if autotune and compiled.compiled(pair.target).packaged():
+        compiled.mark_tuned(pair.target)  # a later default start loads them
     for model in (pair.draft, *_candidates(pair)):  # a draft of lean layers: a user's, the copies'
         if _lean(model):
             compiled.install(model)

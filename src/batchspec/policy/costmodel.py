@@ -27,7 +27,7 @@ from ..cache import kv, slots
 from ..core import diskcache
 from ..core.config import EngineConfig
 from ..distributed import tp
-from ..models import linears
+from ..models import compiled, linears
 from ..models.eagle import EagleHead
 
 #: Weight of one timed step in the load factor (every width) and in its width's scale; their bounds
@@ -273,9 +273,11 @@ def _probe_id(model, rows: int, q_max: int, spans: tuple[int, int]) -> tuple:
 
 
 def probe_key(model, rows: int, q_max: int, spans: tuple[int, int]) -> dict:
-    """What a probe's timings depend on: the machine, the model, the shapes."""
+    """What a probe's timings depend on: the machine, the model and how its forward runs (eager,
+    the compiled graph, the tuned packages), the shapes."""
     shape = {"rows": rows, "q_max": q_max, "spans": list(spans), "rounds": PROBE_ROUNDS}
-    return {"machine": diskcache.machine(), "model": diskcache.model_identity(model)} | shape
+    model_key = {"model": diskcache.model_identity(model), "forward": compiled.form(model)}
+    return {"machine": diskcache.machine()} | model_key | shape
 
 
 def _valid_samples(stored) -> bool:
