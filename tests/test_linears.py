@@ -142,8 +142,9 @@ def test_tune_swaps_every_linear_and_keeps_ties():
     target = pair.target
     assert not [m for m in target.modules() if type(m) is torch.nn.Linear]
     assert isinstance(target.lm_head, TunedLinear)
-    layers = [m for m in target.modules() if isinstance(m, TunedLinear)]
+    layers = [m for m in target.modules() if isinstance(m, TunedLinear) and m is not target.lm_head]
     assert len({id(m.table) for m in layers}) == 1 and len(layers[0].table.layers) == len(layers)
+    assert target.lm_head.table is not layers[0].table and target.lm_head.table.layers == [target.lm_head]
     if target.config.tie_word_embeddings:
         assert target.lm_head.weight is target.model.embed_tokens.weight
     assert tune_linears(target) is None  # nothing left to swap

@@ -11,17 +11,17 @@ M = 20 and 69 ms at M = 40 (F.linear: 72 and 106 ms); 19-30% less than F.linear 
 
 `tune_linears(model)` swaps every `nn.Linear` (with or without bias) of a CPU model for a
 `TunedLinear` over the same Parameters (tied embeddings stay tied). The model's layers share one
-`FormTable`: the first time a row count M's bucket is seen (each M up to 4, then 6, 8, 12, 16, 24,
-32; an M between takes the next bucket's choice), it times each formulation over all of the
-model's weights in turn (as a forward streams them from memory, not from a warm cache) and keeps
-the fastest; all M > TUNE_MAX share one choice, measured at LARGE rows. A decoder measures every
-bucket its batches can reach before it runs (`prepare`): a measurement takes a few tenths of a
-second, which a step that met a new row count would otherwise pay (and auto's cost model learn).
-The formulations compute the same dot products (up to the rounding order of their kernels).
-oneDNN takes float32 and bfloat16 only, and costs a packed copy of every weight it multiplies
-(made on first use, remade if the weight changes in place); where it fails (another dtype, a
-build without it) it is not chosen.
-Products that autograd must differentiate always take F.linear.
+`FormTable` (its LM head has one of its own): the first time a row count M's bucket is seen (each M
+up to 4, then 6, 8, 12, 16, 24, 32; an M between takes the next bucket's choice), it times each
+formulation over all of the table's weights in turn (as a forward streams them from memory, not from
+a warm cache) and keeps the fastest; all M > TUNE_MAX share one choice, measured at LARGE rows. A
+decoder measures every bucket its batches can reach before it runs (`prepare`): a measurement takes
+a few tenths of a second, which a step that met a new row count would otherwise pay (and auto's cost
+model learn). The formulations compute the same dot products (up to the rounding order of their
+kernels). oneDNN takes float32 and bfloat16 only, and costs a packed copy of every weight it
+multiplies (made on first use, remade if the weight changes in place); where it fails (another
+dtype, a build without it) it is not chosen. Products that autograd must differentiate always take
+F.linear.
 
 The choices are kept on disk (diskcache.py, "linear-forms"), keyed by the machine and the model:
 a later start with the same machine, versions, threads and weights measures nothing.
@@ -234,15 +234,30 @@ def prepare(model: torch.nn.Module, max_rows: int) -> None:
 
 
 def tune_linears(model: torch.nn.Module) -> FormTable | None:
-    """Swap every nn.Linear of a CPU model for a TunedLinear sharing one FormTable (returned; None
-    when the model is not on a CPU or has no plain linear layer)."""
+    """Swap every nn.Linear of a CPU model for a TunedLinear: the LM head (the output embedding)
+    with a FormTable of its own, the others sharing one (returned; None when the model is not on
+    a CPU or has no plain linear layer besides the head). The head's shape is unlike every
+    other's (the vocabulary's rows: a fifth of a small model's weights), and so is its fastest
+    form: at 4 rows the layers' choice took the default target's head 8.3 ms, oneDNN 4.4."""
     first = next(model.parameters(), None)
     if first is None or first.device.type != "cpu":
         return None
-    ref = weakref.ref(model)
-    table = FormTable(identity=lambda: diskcache.model_identity(ref()))
+    ref, head = weakref.ref(model), _output_embeddings(model)
+    tables = {part: FormTable(identity=_identity(ref, part)) for part in ("layers", "head")}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(parent, name, TunedLinear(child, table))
-    return table if table.layers else None
+                setattr(parent, name, TunedLinear(child, tables["head" if child is head else "layers"]))
+    return tables["layers"] if tables["layers"].layers else None
+
+
+def _output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    try:
+        return model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):  # a model without one (a draft head of its own kind)
+        return None
+
+
+def _identity(ref: weakref.ref, part: str):
+    """() -> the disk key's model identity of `ref`'s `part` ("layers", or the LM "head")."""
+    return lambda: diskcache.model_identity(ref()) | {"part": part}
