@@ -5,21 +5,41 @@ of 30 calls each. The head is a fifth of the model's weights and streams from me
     python experiments/head_forms.py
 """
 
-import torch, time
+from __future__ import annotations
+
+import time
+
+import torch
+
 from batchspec import load_pair
-pair = load_pair("default", dtype="float32")
-head = pair.target.get_output_embeddings()
-w = head.weight.detach()
-wp = torch.ops.mkldnn._reorder_linear_weight(w, batch_size=16)
-def med(f, n=30):
-    for _ in range(3): f()
-    ts=[]
-    for _ in range(n):
-        t=time.perf_counter(); f(); ts.append(time.perf_counter()-t)
-    return sorted(ts)[n//2]*1e3
-with torch.inference_mode():
-  for M in (1, 4, 16, 48):
-    x = torch.randn(M, 576)
-    r = {"module": med(lambda: head(x)), "F.linear": med(lambda: torch.nn.functional.linear(x, w)),
-         "x@wT": med(lambda: x @ w.t()), "mkldnn": med(lambda: torch.ops.mkldnn._linear_pointwise(x, wp, None, "none", [], ""))}
-    print(M, {k: round(v, 2) for k, v in r.items()}, flush=True)
+
+
+def median_ms(fn, calls: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[calls // 2] * 1e3
+
+
+@torch.inference_mode()
+def main() -> None:
+    head = load_pair("default", dtype="float32").target.get_output_embeddings()
+    weight = head.weight.detach()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    for rows in (1, 4, 16, 48):
+        x = torch.randn(rows, weight.shape[1])
+        forms = {
+            "module": lambda x=x: head(x),
+            "F.linear": lambda x=x: torch.nn.functional.linear(x, weight),
+            "x@wT": lambda x=x: x @ weight.t(),
+            "onednn": lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+        }
+        print(rows, {name: round(median_ms(fn), 2) for name, fn in forms.items()}, flush=True)
+
+
+if __name__ == "__main__":
+    main()
