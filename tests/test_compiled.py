@@ -344,6 +344,8 @@ def test_max_autotune_tunes_packages_once_per_weights_and_decodes_as_the_referen
     assert "s (max-autotune, tuned packages from the cache)" in startup_text(auto.startup)  # the stats line
     assert decode(auto, prompts, 12, method="ragged", batch_size=3, k=3, proposer="draft") == want
     assert [p.source for p in compiled.compiled(auto.target).packages] == ["loaded", "loaded"]
+    with torch.inference_mode():  # a caller loading in inference mode: weights whose versions are not tracked
+        assert load_pair("tiny", dtype="float32").startup["forward"] == auto.startup["forward"]
     monkeypatch.setenv(compiled.ENV, "graph")  # the default graph, packages or not
     assert load_pair("tiny", dtype="float32").startup["forward"] == "compiled"
     monkeypatch.setenv(compiled.ENV, "max-autotune")

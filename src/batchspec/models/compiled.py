@@ -264,7 +264,7 @@ class CompiledDecoder:
         """The decoder's weights (every graph's stack holds the same ones) and their versions, taken
         once, when they are first frozen: every frozen graph's call checks them (`_unchanged`)."""
         weights = list(self.stack.parameters())
-        return weights, [w._version for w in weights]
+        return weights, [None if w.is_inference() else w._version for w in weights]  # inference tensors: untracked
 
     @functools.cached_property
     def weights_tag(self) -> str:
@@ -433,7 +433,7 @@ def _unchanged(graph, weights: list[torch.Tensor], versions: list[int]):
     changed in place since: its constants would be stale."""
 
     def call(*args):
-        if any(w._version != v for w, v in zip(weights, versions)):
+        if any(v is not None and w._version != v for w, v in zip(weights, versions)):
             raise BatchspecError("the target's weights changed in place after --max-autotune froze them into its graph")
         return graph(*args)
 
