@@ -346,6 +346,11 @@ def test_max_autotune_tunes_packages_once_per_weights_and_decodes_as_the_referen
     assert [p.source for p in compiled.compiled(auto.target).packages] == ["loaded", "loaded"]
     with torch.inference_mode():  # a caller loading in inference mode: weights whose versions are not tracked
         assert load_pair("tiny", dtype="float32").startup["forward"] == auto.startup["forward"]
+    with monkeypatch.context() as m:  # packed copies past the memory budget: the default graph, unasked
+        m.setattr(pair_module, "_memory_budget", lambda: pair_module._Budget(2**20, 2**18))
+        assert load_pair("tiny", dtype="float32").startup["forward"] == "compiled"
+        assert load_pair("tiny", dtype="float32", compile="tune").startup["forward"] == "compiled"
+        assert "not compiling the target for --max-autotune: its packed weights need" in capsys.readouterr().err
     monkeypatch.setenv(compiled.ENV, "graph")  # the default graph, packages or not
     assert load_pair("tiny", dtype="float32").startup["forward"] == "compiled"
     monkeypatch.setenv(compiled.ENV, "max-autotune")

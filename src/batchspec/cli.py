@@ -24,7 +24,7 @@ from .decoder import SpecDecoder
 from .distributed import tp
 from .engine.threads import BUSY_CORES, SPIN_MODES, SPIN_ROWS
 from .models import compiled, invariant
-from .models.pair import AUTO, DTYPES, MAX_AUTOTUNE, PAIRS, PairSpec, default_eager_reason, target_config
+from .models.pair import AUTO, DTYPES, MAX_AUTOTUNE, PAIRS, TUNE, PairSpec, default_eager_reason, target_config
 from .models.quant import QUANTS
 from .serving import access
 from .serving.config import DEFAULT_MAX_ITL_MS, DEFAULT_MAX_ITL_STEPS, ServeConfig
@@ -242,7 +242,9 @@ def _tune_parser(sub) -> None:
         "starts (linear-layer formulations, and with -k auto the step-cost probes) for each batch size, so that "
         "later generate/serve/bench runs with the same options start without measuring. On a CPU it also "
         "compiles the target with --max-autotune (about 3 minutes on 2 cores for the default pair; --no-compile or "
-        "BATCHSPEC_COMPILE=graph skip it): later default starts load those tuned kernels from the cache.",
+        "BATCHSPEC_COMPILE=graph skip it, and so does a model whose packed weight copies, about twice its "
+        "decoder's bytes, pass a quarter of the memory available): later default starts load those tuned "
+        "kernels from the cache.",
     )
     _model_options(p)
     g = p.add_argument_group("decoding (as the later runs will use them)")
@@ -655,7 +657,7 @@ def cmd_tune(args) -> int:
     if diskcache.root() is None:
         raise BatchspecError("the cache is off (--no-tuning-cache or BATCHSPEC_CACHE=off): nothing to fill")
     if args.compile is None and tunes_kernels(args):
-        args.compile = MAX_AUTOTUNE  # the tuned packages, which later default starts load
+        args.compile = TUNE  # the tuned packages where they fit in memory; later default starts load them
     pair = load_models(args)
     runs = []
     for config in configs:

@@ -43,6 +43,9 @@ AUTO_MEMORY_SHARE = 0.25
 #: `compile="max-autotune"` (`--max-autotune`): the target's graph with its weights frozen into it and
 #: its products in inductor's own C++ GEMM kernels, tuned at start (compiled.AUTOTUNE).
 MAX_AUTOTUNE = "max-autotune"
+#: `compile="tune"` (`batchspec tune` on a CPU): MAX_AUTOTUNE where its packed weight copies fit the
+#: memory budget (`tuned_refusal`), else the default graph, saying why.
+TUNE = "tune"
 
 
 @dataclass
@@ -213,8 +216,8 @@ def _load_pair(
     if compile is None and compiled.env_setting() in (MAX_AUTOTUNE, compiled.GRAPH):
         # where a flag cannot reach (a library caller, a replica's process)
         compile = MAX_AUTOTUNE if compiled.env_setting() == MAX_AUTOTUNE else True
-    if compile not in (None, True, False, MAX_AUTOTUNE):
-        raise BatchspecError(f"unknown compile mode {compile!r}; choose True, False or {MAX_AUTOTUNE!r}")
+    if compile not in (None, True, False, MAX_AUTOTUNE, TUNE):
+        raise BatchspecError(f"unknown compile mode {compile!r}; choose True, False, {MAX_AUTOTUNE!r} or {TUNE!r}")
     if dtype not in DTYPES:
         raise BatchspecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if draft_dtype is not None and draft_dtype not in DTYPES:
@@ -297,7 +300,11 @@ def _load_pair(
         compiled.cache_dir(diskcache.root())
         precompiled.trust_vector_isas()
         found = compile is None and compiled.tuned_cached(result.target)  # tuned before: load them
-        autotune = compile == MAX_AUTOTUNE or found
+        refusal = tuned_refusal(result.target) if found or compile == TUNE else None
+        if refusal is not None and compile == TUNE:
+            print(f"not compiling the target for --{MAX_AUTOTUNE}: {refusal}", file=sys.stderr, flush=True)
+        found = found and refusal is None
+        autotune = compile == MAX_AUTOTUNE or (compile == TUNE and refusal is None) or found
         forward = f"compiled ({MAX_AUTOTUNE}{', tuned packages from the cache' if found else ''})"
         forward = forward if autotune else "compiled"
         result.startup = {"forward": forward, "compile_s": round(_compile(result, autotune), 3)}
@@ -364,6 +371,18 @@ def auto_refusal(target: torch.nn.Module, device: str, tp_size: int) -> str | No
     need, budget = int4_bytes(target), _memory_budget()
     if need > budget.share:
         return f"{prefix} (the self-draft needs ~{need / 2**20:.0f} MiB, more than {budget})"
+    return None
+
+
+def tuned_refusal(target: torch.nn.Module) -> str | None:
+    """Why `target` gets no --max-autotune packages unasked (made by `batchspec tune`, loaded by a
+    default start), or None: their packed weight copies (about twice its decoder's bytes: two
+    graphs) must fit AUTO_MEMORY_SHARE of the memory available. An explicit --max-autotune is
+    not bound by it."""
+    decoder = target.get_decoder()
+    need, budget = 2 * sum(p.numel() * p.element_size() for p in decoder.parameters()), _memory_budget()
+    if need > budget.share:
+        return f"its packed weights need ~{need / 2**20:.0f} MiB, more than {budget}"
     return None
 
 
