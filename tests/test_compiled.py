@@ -370,10 +370,9 @@ def test_max_autotune_tunes_packages_once_per_weights_and_decodes_as_the_referen
 
 
 def test_tune_makes_the_tuned_packages_where_a_default_start_would_compile(monkeypatch):
-    """`batchspec tune` compiles --max-autotune's packages (which later default starts load) on a
-    CPU for a target compiled by default; not for the tiny pairs (eager by default), not where
-    $BATCHSPEC_COMPILE chose a mode; --no-compile and --max-autotune are as given (cmd_tune
-    changes only an unset mode)."""
+    """`batchspec tune` asks for --max-autotune's packages (which later default starts load) unless
+    a flag or $BATCHSPEC_COMPILE chose a mode; load_pair grants them only where a default start
+    would compile: not for the tiny pairs (eager by default)."""
     from batchspec.cli import build_parser, tunes_kernels
 
     def tunes(*argv):
@@ -381,10 +380,10 @@ def test_tune_makes_the_tuned_packages_where_a_default_start_would_compile(monke
 
     monkeypatch.delenv(compiled.ENV, raising=False)
     assert tunes("--target", "model.gguf") and tunes("--pair", "default")
-    assert not tunes("--pair", "tiny")
+    assert not tunes("--pair", "default", "--no-compile") and not tunes("--pair", "default", "--max-autotune")
+    assert load_pair("tiny", compile="tune").startup["forward"] == "eager (the tiny pairs run eager unless asked)"
     monkeypatch.setenv(compiled.ENV, "graph")
     assert not tunes("--pair", "default")
-    assert build_parser().parse_args(["tune", "--no-compile"]).compile is False
 
 
 def test_an_unknown_compile_mode_is_refused_by_name():

@@ -24,7 +24,7 @@ from .decoder import SpecDecoder
 from .distributed import tp
 from .engine.threads import BUSY_CORES, SPIN_MODES, SPIN_ROWS
 from .models import compiled, invariant
-from .models.pair import AUTO, DTYPES, MAX_AUTOTUNE, PAIRS, TUNE, PairSpec, default_eager_reason, target_config
+from .models.pair import AUTO, DTYPES, MAX_AUTOTUNE, PAIRS, TUNE, PairSpec, target_config
 from .models.quant import QUANTS
 from .serving import access
 from .serving.config import DEFAULT_MAX_ITL_MS, DEFAULT_MAX_ITL_STEPS, ServeConfig
@@ -656,7 +656,7 @@ def cmd_tune(args) -> int:
     ]
     if diskcache.root() is None:
         raise BatchspecError("the cache is off (--no-tuning-cache or BATCHSPEC_CACHE=off): nothing to fill")
-    if args.compile is None and tunes_kernels(args):
+    if tunes_kernels(args):
         args.compile = TUNE  # the tuned packages where they fit in memory; later default starts load them
     pair = load_models(args)
     runs = []
@@ -672,12 +672,10 @@ def cmd_tune(args) -> int:
 
 
 def tunes_kernels(args) -> bool:
-    """Whether `batchspec tune` makes --max-autotune's packages: on a CPU, for a target compiled by
-    default, unless $BATCHSPEC_COMPILE chose a mode."""
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return device == "cpu" and args.tp == 1 and not compiled.env_setting() and default_eager_reason(args.pair) is None
+    """Whether `batchspec tune` asks for --max-autotune's packages (`compile="tune"`, which load_pair
+    grants on a CPU, for a target compiled by default, within the memory budget): unless a flag or
+    $BATCHSPEC_COMPILE chose a mode."""
+    return args.compile is None and not compiled.env_setting()
 
 
 def k_value(text: str) -> int | str:

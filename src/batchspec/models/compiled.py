@@ -251,9 +251,7 @@ class CompiledDecoder:
     @property
     def options(self) -> dict | None:
         """inductor's options for this decoder's graphs (None: the defaults)."""
-        if not self.freeze:
-            return None
-        return {"freezing": True} | (AUTOTUNE if self.autotune else {})
+        return _frozen_options(self.autotune) if self.freeze else None
 
     def packaged(self) -> bool:
         """Whether both frozen graphs are packages in the tuning cache, which a start loads."""
@@ -271,7 +269,7 @@ class CompiledDecoder:
         """The frozen graphs' cache key tag: a digest of the weights `frozen` took, so no graph
         ever freezes weights other than the ones the tag names."""
         weights, _ = self.frozen
-        return f"batchspec-frozen-{_digest(weights)}"
+        return _weights_tag(weights)
 
     @property
     def max_rows(self) -> int:
@@ -406,10 +404,20 @@ def _packages_cached(decoder: torch.nn.Module, tag: str, options: dict) -> bool:
     return all(packaged.cached(stack, one, tag, options) for one in (True, False))
 
 
+def _frozen_options(autotune: bool) -> dict:
+    """inductor's options for a frozen graph (`autotune`: its products tuned C++ kernels)."""
+    return {"freezing": True} | (AUTOTUNE if autotune else {})
+
+
+def _weights_tag(weights: list[torch.Tensor]) -> str:
+    """A frozen graph's cache key tag: the digest of the weights frozen into it."""
+    return f"batchspec-frozen-{_digest(weights)}"
+
+
 def _tuned_key(model: torch.nn.Module) -> dict:
     """The key of `model`'s TUNED record: its identity (a file's hash where it was loaded from one)
     and the tuned graphs' options."""
-    return {"model": diskcache.model_identity(model), "options": {"freezing": True} | AUTOTUNE}
+    return {"model": diskcache.model_identity(model), "options": _frozen_options(True)}
 
 
 def mark_tuned(model: torch.nn.Module) -> None:
@@ -424,8 +432,8 @@ def tuned_cached(model: torch.nn.Module) -> bool:
     if diskcache.root() is None or not diskcache.read(TUNED, _tuned_key(model)):
         return False
     decoder = model.get_decoder()
-    tag = f"batchspec-frozen-{_digest(list(LeanStack(decoder).parameters()))}"  # as CompiledDecoder.weights_tag
-    return _packages_cached(decoder, tag, {"freezing": True} | AUTOTUNE)
+    tag = _weights_tag(list(LeanStack(decoder).parameters()))  # the weights CompiledDecoder.frozen takes
+    return _packages_cached(decoder, tag, _frozen_options(True))
 
 
 def _unchanged(graph, weights: list[torch.Tensor], versions: list[int]):

@@ -270,7 +270,8 @@ def _load_pair(
         result.head.to(device)  # its copy of the target's output rows too; the embedding is shared
     if result.draft_vocab_ids is not None:
         result.draft_vocab_ids = result.draft_vocab_ids.to(device)
-    why = (default_eager_reason(pair) if compile is None else None if compile else "--no-compile") or compiled.why_not(
+    unasked = compile in (None, TUNE)  # the default, or `tune`'s: the tiny pairs and $BATCHSPEC_COMPILE=off stay eager
+    why = (default_eager_reason(pair) if unasked else None if compile else "--no-compile") or compiled.why_not(
         result.target, tp_size
     )
     if why is None and pair is None and draft not in (None, SELF, AUTO) and compiled.why_not(result.draft) is None:
@@ -299,17 +300,17 @@ def _load_pair(
     if why is None:
         compiled.cache_dir(diskcache.root())
         precompiled.trust_vector_isas()
-        found = compile is None and compiled.tuned_cached(result.target)  # tuned before: load them
-        refusal = tuned_refusal(result.target) if found or compile == TUNE else None
+        # unasked, the tuned packages: made now for `tune`, loaded where a start made them before
+        wanted = compile == TUNE or (compile is None and compiled.tuned_cached(result.target))
+        refusal = tuned_refusal(result.target) if wanted else None
         if refusal is not None and compile == TUNE:
             print(f"not compiling the target for --{MAX_AUTOTUNE}: {refusal}", file=sys.stderr, flush=True)
-        found = found and refusal is None
-        autotune = compile == MAX_AUTOTUNE or (compile == TUNE and refusal is None) or found
-        forward = f"compiled ({MAX_AUTOTUNE}{', tuned packages from the cache' if found else ''})"
-        forward = forward if autotune else "compiled"
+        autotune = compile == MAX_AUTOTUNE or (wanted and refusal is None)
+        loaded = ", tuned packages from the cache" if autotune and compile is None else ""
+        forward = f"compiled ({MAX_AUTOTUNE}{loaded})" if autotune else "compiled"
         result.startup = {"forward": forward, "compile_s": round(_compile(result, autotune), 3)}
     else:
-        if compile:  # asked for and refused: say why, once
+        if compile and not unasked:  # asked for and refused: say why, once
             warnings.warn(f"running the target eager: {why}", stacklevel=3)
         result.startup = {"forward": f"eager ({why})"}
     if result.drafter:
@@ -378,7 +379,10 @@ def tuned_refusal(target: torch.nn.Module) -> str | None:
     """Why `target` gets no --max-autotune packages unasked (made by `batchspec tune`, loaded by a
     default start), or None: their packed weight copies (about twice its decoder's bytes: two
     graphs) must fit AUTO_MEMORY_SHARE of the memory available. An explicit --max-autotune is
-    not bound by it."""
+    not bound by it, nor a target off the CPU (there inductor has no C++ GEMM kernels to tune)."""
+    device = next(target.parameters()).device
+    if device.type != "cpu":
+        return f"the target is on {device.type}, and the tuned kernels are a CPU's"
     decoder = target.get_decoder()
     need, budget = 2 * sum(p.numel() * p.element_size() for p in decoder.parameters()), _memory_budget()
     if need > budget.share:
